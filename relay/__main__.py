@@ -1,0 +1,174 @@
+"""Command line: ``relay serve | check-config | sign-url | --version`` (SPEC §7).
+
+Exit codes: 0 success, 2 configuration or usage error (the message names the bad key),
+1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from relay import __version__
+from relay.config import Config, ConfigError, load
+from relay.core.auth import file_signature
+from relay.core.routes import parse_routes
+from relay.feeds.file import FileError, read_routes_file
+
+log = logging.getLogger("relay")
+
+EXIT_CONFIG = 2
+SECRET_KEYS = frozenset({"redis_url"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_CONFIG
+    handler = {"serve": _serve, "check-config": _check_config, "sign-url": _sign_url}
+    try:
+        return handler[args.command](args)
+    except ConfigError as exc:
+        print(f"relay: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relay", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"relay {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="run the relay")
+    serve.add_argument("--config", required=True, help="TOML configuration file")
+    serve.add_argument("--log-level", default=os.environ.get("RELAY_LOG_LEVEL", "INFO"))
+    check = sub.add_parser("check-config", help="validate a configuration and print it")
+    check.add_argument("--config", required=True)
+    sign = sub.add_parser("sign-url", help="make a signed /files URL exactly as the SDK does")
+    sign.add_argument(
+        "--url", required=True, help="envd base URL, e.g. https://49983-<id>.<domain>"
+    )
+    sign.add_argument("--path", default="", help="file path in the sandbox")
+    sign.add_argument("--op", choices=("read", "write"), default="read")
+    sign.add_argument("--user", default="", help="username (omitted when empty)")
+    sign.add_argument("--expires-in", type=int, default=None, help="seconds from now")
+    token = sign.add_mutually_exclusive_group(required=True)
+    token.add_argument("--token-file", help="file holding the envd access token")
+    token.add_argument("--token-env", help="environment variable holding the token")
+    token.add_argument("--sandbox", help="take the token of this sandbox's route (needs --config)")
+    sign.add_argument("--config", help="configuration whose route source holds --sandbox")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    # Access-log lines are JSON documents of their own: print them bare.
+    access = logging.getLogger("relay.access")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.propagate = False
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = load(args.config)
+    _setup_logging(args.log_level)
+    # Imported here so that check-config and sign-url start without the server stack.
+    import uvloop  # noqa: PLC0415
+
+    from relay.runtime import serve  # noqa: PLC0415
+
+    uvloop.run(serve(config))
+    return 0
+
+
+def redacted(config: Config) -> dict[str, Any]:
+    """The effective configuration with secrets replaced (SPEC §7, check-config)."""
+    out: dict[str, Any] = {}
+    for section in dataclasses.fields(config):
+        if section.name == "base_dir":
+            continue
+        values = dataclasses.asdict(getattr(config, section.name))
+        for key in values:
+            if key in SECRET_KEYS and values[key]:
+                values[key] = _redact_url(values[key])
+        out[section.name] = values
+    return out
+
+
+def _redact_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":<redacted>@")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    config = load(args.config)
+    print(json.dumps(redacted(config), indent=2))
+    return 0
+
+
+def sign_url(
+    base: str, path: str, op: str, user: str, token: str, expires_in: int | None, now: int
+) -> str:
+    """The URL ``Sandbox.download_url``/``upload_url`` returns (e2b ``_file_url``)."""
+    expiration = now + expires_in if expires_in is not None else None
+    signature = file_signature(path, op, user, token, expiration)
+    query: dict[str, str] = {}
+    if path:
+        query["path"] = path
+    if user:
+        query["username"] = user
+    query["signature"] = signature
+    if expiration is not None:
+        query["signature_expiration"] = str(expiration)
+    url = urllib.parse.urljoin(base, "/files")
+    return url + "?" + urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
+
+
+def _sign_url(args: argparse.Namespace) -> int:
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    elif args.token_env:
+        token = os.environ.get(args.token_env, "")
+        if not token:
+            print(f"relay: ${args.token_env} is empty", file=sys.stderr)
+            return EXIT_CONFIG
+    else:
+        if not args.config:
+            print("relay: --sandbox needs --config", file=sys.stderr)
+            return EXIT_CONFIG
+        config = load(args.config)
+        try:
+            items = read_routes_file(config.path(config.routes.file))
+        except FileError as exc:
+            print(f"relay: {exc}", file=sys.stderr)
+            return 1
+        routes, _ = parse_routes(items, config.allowed_cidrs())
+        route = routes.get(args.sandbox)
+        if route is None or route.envd_token is None:
+            print(f"relay: no secured route for sandbox {args.sandbox}", file=sys.stderr)
+            return 1
+        token = route.envd_token
+    print(
+        sign_url(args.url, args.path, args.op, args.user, token, args.expires_in, int(time.time()))
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

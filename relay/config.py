@@ -1,0 +1,295 @@
+"""Strict TOML configuration (SPEC §6): an unknown key or a wrong type names the key.
+
+Each table maps onto a frozen dataclass; the dataclass fields *are* the schema, so a key is
+known iff a field of that name exists, and its annotation gives the type checked. Secrets
+(TLS key, Redis password) are paths or environment variable names, never inline values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from relay.core.decide import Settings
+from relay.core.routes import Network
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Listen:
+    address: str | list[str] = "127.0.0.1:8080"
+    tls_cert: str = ""
+    tls_key: str = ""
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 16384
+    max_connections: int = 10000
+    trusted_proxies: list[str] = field(default_factory=list)
+    allowed_clients: list[str] = field(default_factory=list)
+    idle_timeout_s: float = 630.0
+
+    @property
+    def addresses(self) -> list[str]:
+        return [self.address] if isinstance(self.address, str) else list(self.address)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admin:
+    address: str = "127.0.0.1:9090"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Routing:
+    domains: list[str] = field(default_factory=lambda: ["sandbox.localhost"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Routes:
+    source: str = "file"
+    file: str = "routes.json"  # relative paths resolve from the config file's folder
+    redis_url: str = ""
+    redis_prefix: str = "relay:"
+    redis_username: str = ""
+    redis_password_file: str = ""
+    redis_password_env: str = ""
+    redis_ca_file: str = ""
+    max_stale_s: float = 30.0
+    poll_interval_s: float = 0.25
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Upstream:
+    envd_port: int = 49983
+    credentials: str = "strip"
+    denied_ports: list[int] = field(default_factory=lambda: [50090])
+    allowed_cidrs: list[str] = field(
+        default_factory=lambda: [
+            "127.0.0.0/8",
+            "10.0.0.0/8",
+            "172.16.0.0/12",
+            "192.168.0.0/16",
+            "fc00::/7",
+        ]
+    )
+    source_address: str = ""
+    source_interface: str = ""
+    connect_timeout_s: float = 5.0
+    idle_timeout_s: float = 630.0
+    max_idle_per_upstream: int = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Management:
+    upstream: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Process:
+    workers: int = 1
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    listen: Listen = field(default_factory=Listen)
+    admin: Admin = field(default_factory=Admin)
+    routing: Routing = field(default_factory=Routing)
+    routes: Routes = field(default_factory=Routes)
+    upstream: Upstream = field(default_factory=Upstream)
+    management: Management = field(default_factory=Management)
+    process: Process = field(default_factory=Process)
+    # Where relative paths in the file are resolved from (the config file's folder).
+    base_dir: Path = field(default=Path(), compare=False)
+
+    def path(self, value: str) -> Path:
+        p = Path(value)
+        return p if p.is_absolute() else self.base_dir / p
+
+    def settings(self) -> Settings:
+        return Settings(
+            domains=tuple(self.routing.domains),
+            envd_port=self.upstream.envd_port,
+            denied_ports=frozenset(self.upstream.denied_ports),
+            strip=self.upstream.credentials == "strip",
+            management=bool(self.management.upstream),
+            trusted_proxies=networks(self.listen.trusted_proxies),
+        )
+
+    def allowed_cidrs(self) -> tuple[Network, ...]:
+        return networks(self.upstream.allowed_cidrs)
+
+
+def networks(cidrs: list[str]) -> tuple[Network, ...]:
+    return tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Return the value converted to ``annotation`` or raise naming ``key``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _check_type(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {type(value).__name__}")
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is int and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected an integer, got a boolean")
+    if not isinstance(value, annotation):
+        raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {type(value).__name__}")
+    return value
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _section(name: str, cls: type[Any], raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: expected a table")
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{name}.{key}: unknown key")
+        values[key] = _check_type(f"{name}.{key}", value, hints[key])
+    return cls(**values)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "listen": Listen,
+    "admin": Admin,
+    "routing": Routing,
+    "routes": Routes,
+    "upstream": Upstream,
+    "management": Management,
+    "process": Process,
+}
+
+
+def parse(data: dict[str, Any], base_dir: Path = Path()) -> Config:
+    sections: dict[str, Any] = {}
+    for name, raw in data.items():
+        cls = _SECTIONS.get(name)
+        if cls is None:
+            raise ConfigError(f"{name}: unknown section")
+        sections[name] = _section(name, cls, raw)
+    config = Config(**sections, base_dir=base_dir)
+    validate(config)
+    return config
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    return parse(data, p.resolve().parent)
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(config: Config) -> None:
+    """Value rules beyond types; each failure names its key."""
+    listen, up, routes = config.listen, config.upstream, config.routes
+    _check(bool(listen.addresses), "listen.address", "at least one address")
+    for i, addr in enumerate(listen.addresses):
+        _check(split_address(addr) is not None, f"listen.address[{i}]", f"bad address {addr!r}")
+    _check(
+        bool(listen.tls_cert) == bool(listen.tls_key),
+        "listen.tls_key",
+        "tls_cert and tls_key are set together",
+    )
+    _check(listen.header_timeout_s > 0, "listen.header_timeout_s", "must be > 0")
+    _check(listen.max_header_bytes >= 1024, "listen.max_header_bytes", "must be >= 1024")
+    _check(listen.max_connections >= 1, "listen.max_connections", "must be >= 1")
+    for key, cidrs in (
+        ("listen.trusted_proxies", listen.trusted_proxies),
+        ("listen.allowed_clients", listen.allowed_clients),
+        ("upstream.allowed_cidrs", up.allowed_cidrs),
+    ):
+        for i, cidr in enumerate(cidrs):
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError(f"{key}[{i}]: not a CIDR: {cidr!r}") from None
+    _check(split_address(config.admin.address) is not None, "admin.address", "bad address")
+    _check(bool(config.routing.domains), "routing.domains", "at least one domain")
+    _check(routes.source in ("file", "redis"), "routes.source", 'must be "file" or "redis"')
+    if routes.source == "redis":
+        _check(
+            routes.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "routes.redis_url",
+            "must be a redis:// or rediss:// URL",
+        )
+    _check(routes.max_stale_s > 0, "routes.max_stale_s", "must be > 0")
+    _check(up.credentials in ("strip", "forward"), "upstream.credentials", '"strip" or "forward"')
+    _check(1 <= up.envd_port <= 65535, "upstream.envd_port", "must be a port number")
+    for i, port in enumerate(up.denied_ports):
+        _check(1 <= port <= 65535, f"upstream.denied_ports[{i}]", "must be a port number")
+    _check(up.connect_timeout_s > 0, "upstream.connect_timeout_s", "must be > 0")
+    _check(
+        not (up.source_address and up.source_interface),
+        "upstream.source_interface",
+        "set source_address or source_interface, not both",
+    )
+    if up.source_address:
+        try:
+            ipaddress.ip_address(up.source_address)
+        except ValueError:
+            raise ConfigError("upstream.source_address: not an IP address") from None
+    if config.management.upstream:
+        _check(
+            parse_http_url(config.management.upstream) is not None,
+            "management.upstream",
+            "must be http://host:port",
+        )
+    _check(config.process.workers >= 1, "process.workers", "must be >= 1")
+    _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` → (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def parse_http_url(url: str) -> tuple[str, int] | None:
+    """``http://host[:port]`` (no path) → (host, port); the management upstream's form."""
+    if not url.startswith("http://"):
+        return None
+    rest = url[len("http://") :].rstrip("/")
+    if "/" in rest or not rest:
+        return None
+    if rest.count(":") == 0 or (rest.startswith("[") and rest.endswith("]")):
+        return rest.strip("[]"), 80
+    return split_address(rest)

@@ -1,0 +1,111 @@
+"""Render a :class:`Reject` as the HTTP answer relay gives itself (SPEC §5).
+
+JSON ``{"code": <status>, "message": ...}`` with an *integer* code, as envd's ``jsonError``
+and E2B's proxy answer: the SDK maps the answer by status and reads ``message``
+(``e2b/envd/client_shared.py``); "was not found" and "port is not open" are substrings that
+SDK 2.63 turns into SandboxNotRunning/SandboxUnreachable exceptions. A browser page load gets
+a short HTML page instead.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from relay.core.headers import index
+from relay.core.model import Headers, Reject
+
+JSON_TYPE = b"application/json; charset=utf-8"
+HTML_TYPE = b"text/html; charset=utf-8"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    headers: Headers
+    body: bytes
+
+
+def body_fields(reject: Reject) -> dict[str, object]:
+    out: dict[str, object] = {"code": reject.status, "message": reject.message}
+    if reject.sandbox_id is not None:
+        out["sandboxId"] = reject.sandbox_id
+    if reject.path is not None:
+        out["path"] = reject.path
+    if reject.port is not None:
+        out["port"] = reject.port
+    if reject.limit is not None:
+        out["connectionLimit"] = reject.limit
+    return out
+
+
+def wants_html(fields: dict[bytes, list[bytes]]) -> bool:
+    """A browser page load: ``Sec-Fetch-Mode: navigate`` and ``Accept`` preferring HTML."""
+    mode = fields.get(b"sec-fetch-mode")
+    if not mode or mode[0].strip().lower() != b"navigate":
+        return False
+    accept = b",".join(fields.get(b"accept", [])).lower()
+    return _prefers_html(accept)
+
+
+def _prefers_html(accept: bytes) -> bool:
+    """``text/html`` has the highest q-value of the listed types (RFC 9110 §12.5.1)."""
+    best_html, best_other = -1.0, -1.0
+    for item in accept.split(b","):
+        media, *params = (part.strip() for part in item.split(b";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition(b"=")
+            if name.strip() == b"q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if media == b"text/html":
+            best_html = max(best_html, q)
+        elif media:
+            best_other = max(best_other, q)
+    return best_html > 0 and best_html >= best_other
+
+
+def render(reject: Reject, request_headers: Headers = ()) -> Answer:
+    fields = index(request_headers)
+    out: list[tuple[bytes, bytes]] = []
+    if wants_html(fields):
+        title = html.escape(f"{reject.status} {_phrase(reject.status)}")
+        body = (
+            f"<!doctype html><html><head><meta charset=utf-8><title>{title}</title></head>"
+            f"<body><h1>{title}</h1><p>{html.escape(reject.message)}</p></body></html>\n"
+        ).encode()
+        out.append((b"Content-Type", HTML_TYPE))
+    else:
+        body = json.dumps(body_fields(reject), separators=(",", ":")).encode()
+        out.append((b"Content-Type", JSON_TYPE))
+    out.append((b"X-Content-Type-Options", b"nosniff"))
+    out.append((b"Cache-Control", b"no-store"))
+    if reject.retry_after is not None:
+        out.append((b"Retry-After", str(reject.retry_after).encode()))
+    if b"origin" in fields:
+        out.append((b"Access-Control-Allow-Origin", b"*"))
+    return Answer(reject.status, tuple(out), body)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+def serialise_response(
+    status: int, reason: bytes, headers: Headers, *, version: bytes = b"HTTP/1.1"
+) -> bytes:
+    lines = [version + b" " + str(status).encode() + b" " + reason]
+    lines.extend(name + b": " + value for name, value in headers)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def reason_phrase(status: int) -> bytes:
+    return _phrase(status).encode()

@@ -1,0 +1,177 @@
+"""Credentials: envd access tokens, traffic tokens and v1 file-URL signatures (SPEC §2).
+
+The signature scheme is envd's (infra ``packages/envd/internal/api/auth.go``) and the SDK's
+(``e2b/sandbox/signature.py``)::
+
+    "v1_" + base64_std_unpadded(sha256("<path>:<op>:<username>:<token>[:<exp>]"))
+
+``path`` and ``username`` are the *decoded* query values (``""`` when absent), ``op`` is
+``read`` for GET and ``write`` for POST, and ``:<exp>`` is present iff the URL carries
+``signature_expiration``. Query values are decoded as Go's ``url.Query()`` decodes them, so
+``+`` is a space and a pair with a malformed escape or a ``;`` is not a pair at all.
+
+All comparisons are constant-time (``hmac.compare_digest``), as envd's
+``subtle.ConstantTimeCompare`` is. The clock is an argument: nothing here reads time.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+
+from relay.core.model import Reason, Reject, Route
+
+SIGNED_PARAMS = frozenset({b"path", b"username", b"signature", b"signature_expiration"})
+STRIPPED_PARAMS = frozenset({b"signature", b"signature_expiration"})
+_EXPIRATION = re.compile(rb"[0-9]{1,19}")
+_INT64_MAX = 2**63 - 1
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+UNAUTHORIZED = Reject(reason=Reason.ENVD_UNAUTHORIZED)
+
+
+def file_signature(
+    path: str | bytes, operation: str, username: str | bytes, token: str, expiration: int | None
+) -> str:
+    """The SDK's ``get_signature`` given an absolute expiration (None = never expires)."""
+    parts = [
+        path.encode() if isinstance(path, str) else path,
+        operation.encode(),
+        username.encode() if isinstance(username, str) else username,
+        token.encode(),
+    ]
+    if expiration is not None:
+        parts.append(str(expiration).encode())
+    digest = hashlib.sha256(b":".join(parts)).digest()
+    return "v1_" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def go_query_unescape(raw: bytes) -> bytes | None:
+    """Go's ``url.QueryUnescape``: ``+`` is a space, ``%XX`` must be hex; None if malformed."""
+    if b"%" not in raw:
+        return raw.replace(b"+", b" ")
+    out = bytearray()
+    i, n = 0, len(raw)
+    while i < n:
+        c = raw[i]
+        if c == 0x25:  # '%'
+            if i + 2 >= n or raw[i + 1] not in _HEX or raw[i + 2] not in _HEX:
+                return None
+            out.append(int(raw[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out.append(0x20 if c == 0x2B else c)
+            i += 1
+    return bytes(out)
+
+
+def go_parse_query(raw: bytes) -> list[tuple[bytes, bytes]]:
+    """Go's ``url.ParseQuery`` as ``Request.URL.Query()`` sees it (bad pairs dropped)."""
+    pairs: list[tuple[bytes, bytes]] = []
+    for segment in raw.split(b"&"):
+        if not segment or b";" in segment:
+            continue  # Go >= 1.17 rejects ';' separators; Query() drops the pair
+        key, _, value = segment.partition(b"=")
+        dkey, dvalue = go_query_unescape(key), go_query_unescape(value)
+        if dkey is None or dvalue is None:
+            continue
+        pairs.append((dkey, dvalue))
+    return pairs
+
+
+def strip_signature_params(raw_query: bytes) -> bytes:
+    """Remove ``signature`` and ``signature_expiration`` pairs, keeping the rest in order.
+
+    Matching is lenient on purpose (a malformed escape still matches its name once decoded as
+    far as possible), so that no spelling of a credential can slip past the strip.
+    """
+    kept = []
+    for segment in raw_query.split(b"&"):
+        key = segment.partition(b"=")[0]
+        decoded = go_query_unescape(key)
+        name = decoded if decoded is not None else key
+        if name.lower() in STRIPPED_PARAMS or key.lower() in STRIPPED_PARAMS:
+            continue
+        kept.append(segment)
+    return b"&".join(kept)
+
+
+def tokens_equal(given: bytes, expected: str) -> bool:
+    return hmac.compare_digest(given, expected.encode("latin-1", "replace"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnvdRequest:
+    """What the envd credential check looks at."""
+
+    method: bytes
+    clean_path: str
+    raw_query: bytes | None
+    access_token: bytes | None  # the X-Access-Token value, when the header is present
+
+
+def check_envd(request: EnvdRequest, route: Route, now: int) -> Reject | None:
+    """None when the request may reach envd (SPEC §2, envd port)."""
+    if route.insecure or route.envd_token is None:
+        return None
+    if request.access_token is not None:
+        # A present header must match and never falls back to a signature: envd does the
+        # same (``validateSigning``: "access token present in header but does not match").
+        return None if tokens_equal(request.access_token, route.envd_token) else UNAUTHORIZED
+    if request.method == b"GET" and request.clean_path == "/health":
+        return None
+    signed_route = request.clean_path == "/files" and request.method in (b"GET", b"POST")
+    if signed_route and request.raw_query is not None:
+        return check_signature(request, route.envd_token, now)
+    return UNAUTHORIZED
+
+
+def check_signature(request: EnvdRequest, token: str, now: int) -> Reject | None:
+    params: dict[bytes, list[bytes]] = {}
+    for key, value in go_parse_query(request.raw_query or b""):
+        if key in SIGNED_PARAMS:
+            params.setdefault(key, []).append(value)
+    if any(len(values) > 1 for values in params.values()):
+        # Go's Query().Get takes the first value, a verifier in front of it could take another:
+        # a repeated signed parameter is never accepted.
+        return UNAUTHORIZED
+    signature = params.get(b"signature")
+    if signature is None:
+        return UNAUTHORIZED
+    expiration: int | None = None
+    if b"signature_expiration" in params:
+        raw_exp = params[b"signature_expiration"][0]
+        if _EXPIRATION.fullmatch(raw_exp) is None or int(raw_exp) > _INT64_MAX:
+            return Reject(
+                reason=Reason.BAD_EXPIRATION,
+                detail="Invalid format for parameter signature_expiration: expected an integer",
+            )
+        expiration = int(raw_exp)
+    operation = "read" if request.method == b"GET" else "write"
+    expected = file_signature(
+        params.get(b"path", [b""])[0],
+        operation,
+        params.get(b"username", [b""])[0],
+        token,
+        expiration,
+    )
+    if not hmac.compare_digest(signature[0], expected.encode()):
+        return UNAUTHORIZED
+    # Checked after the signature, and ``exp == now`` is still valid (envd ``validateSigning``).
+    if expiration is not None and expiration < now:
+        return UNAUTHORIZED
+    return None
+
+
+def check_traffic(token_values: list[bytes] | None, route: Route) -> Reject | None:
+    """Application ports: the route's traffic token, when it has one (SPEC §2)."""
+    if route.traffic_token is None:
+        return None
+    if not token_values:
+        return Reject(reason=Reason.TRAFFIC_TOKEN_MISSING, sandbox_id=route.sandbox_id)
+    if not tokens_equal(token_values[0], route.traffic_token):
+        return Reject(reason=Reason.TRAFFIC_TOKEN_INVALID, sandbox_id=route.sandbox_id)
+    return None

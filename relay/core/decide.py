@@ -1,0 +1,237 @@
+"""``decide(head, ...) → Forward | Reject``: the one place where the order of checks lives.
+
+SPEC §5a fixes the precedence when several refusals apply::
+
+    CONNECT (405) → framing (400/431/501/505) → target (400) → control port (403) /
+    control path (404) → route lookup (502; 503 while the table is not ready or stale) →
+    credentials (401/403) → per-sandbox limit (429)
+
+Everything before the route lookup depends on the request alone, so those answers reveal
+nothing about which sandboxes exist. Request-target form, path encoding and Upgrade checks
+belong to "framing": they are properties of the message, not of its destination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from relay.core import auth, headers, policy, target
+from relay.core.model import (
+    Decision,
+    Forward,
+    Framing,
+    Kind,
+    Reason,
+    Reject,
+    RequestHead,
+    Route,
+    Target,
+)
+from relay.core.routes import Network, RouteTable
+
+STALE_RETRY_AFTER_S = 5
+NOT_READY_RETRY_AFTER_S = 2
+_HTTP_VERSIONS = frozenset({"1.1", "1.0"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """The slice of the configuration that decisions depend on."""
+
+    domains: tuple[str, ...] = ("sandbox.localhost",)
+    envd_port: int = 49983
+    denied_ports: frozenset[int] = frozenset({50090})
+    strip: bool = True  # upstream.credentials == "strip"
+    management: bool = False  # a management upstream is configured
+    trusted_proxies: tuple[Network, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Longest domain first, so that the most specific configured domain wins.
+        ordered = tuple(sorted({d.lower().rstrip(".") for d in self.domains}, key=len))
+        object.__setattr__(self, "domains", ordered[::-1])
+
+
+@dataclass(frozen=True, slots=True)
+class FeedState:
+    """What the route feed says about the table's freshness (SPEC §3, Staleness)."""
+
+    ready: bool = True
+    stale: bool = False
+
+
+def body_framing(version: str, fields: dict[bytes, list[bytes]]) -> tuple[Framing, int] | Reject:
+    """RFC 9112 §6: llhttp already refused CL with TE and differing lengths; relay also refuses
+    every coding but exactly ``chunked`` and any Transfer-Encoding in HTTP/1.0."""
+    te = fields.get(b"transfer-encoding")
+    if te is not None:
+        if version == "1.0":
+            return Reject(reason=Reason.BAD_REQUEST, detail="Transfer-Encoding in HTTP/1.0")
+        if len(te) != 1 or te[0].strip().lower() != b"chunked":
+            return Reject(reason=Reason.BAD_TRANSFER_ENCODING)
+        return Framing.CHUNKED, 0
+    cl = fields.get(b"content-length")
+    if cl is not None:
+        length = int(cl[0])  # llhttp admits digits only and one distinct value
+        return (Framing.LENGTH, length) if length else (Framing.NONE, 0)
+    return Framing.NONE, 0
+
+
+def websocket_upgrade(
+    head: RequestHead, fields: dict[bytes, list[bytes]], framing: Framing
+) -> bool | Reject:
+    """True for a WebSocket handshake (RFC 6455 §4.1); other upgrades are refused (h2c...)."""
+    upgrade = fields.get(b"upgrade")
+    if upgrade is None:
+        return False
+    if len(upgrade) != 1 or upgrade[0].strip().lower() != b"websocket":
+        return Reject(reason=Reason.BAD_UPGRADE)
+    if b"upgrade" not in headers.connection_tokens(fields.get(b"connection")):
+        return False  # a stray Upgrade field: dropped as hop-by-hop, not an upgrade
+    if head.method != b"GET" or framing is not Framing.NONE:
+        return Reject(
+            reason=Reason.BAD_UPGRADE, detail="A WebSocket handshake is a GET without body"
+        )
+    return True
+
+
+def _peer_trusted(peer: str, trusted: tuple[Network, ...]) -> bool:
+    if not trusted or not peer:
+        return False
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(ip in net for net in trusted)
+
+
+def decide(
+    head: RequestHead,
+    table: RouteTable,
+    settings: Settings,
+    *,
+    feed: FeedState = FeedState(),
+    now: int = 0,
+    inflight: Mapping[str, int] | None = None,
+) -> Decision:
+    # -- CONNECT: never an L4 tunnel, wherever it points.
+    if head.method == b"CONNECT":
+        return Reject(reason=Reason.CONNECT)
+    # -- framing
+    if head.version not in _HTTP_VERSIONS:
+        return Reject(reason=Reason.BAD_VERSION)
+    fields = headers.index(head.headers)
+    framing = body_framing(head.version, fields)
+    if isinstance(framing, Reject):
+        return framing
+    repeated = headers.repeated_singleton(fields)
+    if repeated is not None:
+        return Reject(
+            reason=Reason.REPEATED_FIELD, detail=f"Header {repeated.decode()} must appear once"
+        )
+    split = policy.split_target(head.target)
+    if isinstance(split, Reject):
+        return split
+    websocket = websocket_upgrade(head, fields, framing[0])
+    if isinstance(websocket, Reject):
+        return websocket
+    # -- target
+    host_values = fields.get(b"host")
+    if host_values is None and head.version == "1.1":
+        return Reject(reason=Reason.BAD_HOST, detail="Missing Host header")  # RFC 9112 §3.2
+    host = target.normalise_host(host_values[0]) if host_values else None
+    if host_values and host is None:
+        return Reject(reason=Reason.BAD_HOST, detail="Invalid Host header")
+    found = target.find_target(
+        host, fields.get(b"e2b-sandbox-id"), fields.get(b"e2b-sandbox-port"), settings.domains
+    )
+    if isinstance(found, Reject):
+        return found
+    rules = headers.OutboundRules(
+        drop=headers.HOP_BY_HOP | (headers.CREDENTIALS if settings.strip else frozenset()),
+        framing=framing[0],
+        content_length=framing[1],
+        websocket=websocket,
+        forwarded_for=(
+            (head.peer, "https" if head.tls else "http", host_values[0] if host_values else b"")
+            if _peer_trusted(head.peer, settings.trusted_proxies)
+            else None
+        ),
+    )
+    if found is None:
+        if not settings.management:
+            return Reject(reason=Reason.NO_TARGET)
+        return _forward(head, Kind.MANAGEMENT, None, None, head.target, fields, rules, split)
+    # -- control port / control path
+    if found.port in settings.denied_ports:
+        return Reject(reason=Reason.CONTROL_PORT)
+    is_envd = found.port == settings.envd_port
+    if is_envd and policy.is_control_path(split.clean_path):
+        return Reject(reason=Reason.CONTROL_PATH, path=split.clean_path)
+    # -- route lookup
+    if not feed.ready:
+        return Reject(reason=Reason.NOT_READY, retry_after=NOT_READY_RETRY_AFTER_S)
+    if feed.stale:
+        return Reject(reason=Reason.STALE, retry_after=STALE_RETRY_AFTER_S)
+    route = table.get(found.sandbox_id)
+    if route is None:
+        return Reject(reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id)
+    # -- credentials
+    path = head.target
+    if is_envd:
+        tokens = fields.get(headers.ACCESS_TOKEN)
+        refused = auth.check_envd(
+            auth.EnvdRequest(
+                method=head.method,
+                clean_path=split.clean_path,
+                raw_query=split.raw_query,
+                access_token=tokens[0] if tokens else None,
+            ),
+            route,
+            now,
+        )
+        if settings.strip and split.raw_query is not None:
+            query = auth.strip_signature_params(split.raw_query)
+            path = split.raw_path + (b"?" + query if query else b"")
+    else:
+        refused = auth.check_traffic(fields.get(headers.TRAFFIC_TOKEN), route)
+        # The traffic token is for relay alone and is removed in either credentials mode.
+        rules = dataclasses.replace(rules, drop=rules.drop | {headers.TRAFFIC_TOKEN})
+    if refused is not None:
+        return dataclasses.replace(refused, sandbox_id=route.sandbox_id)
+    # -- per-sandbox limit
+    limit = route.max_connections
+    if limit and inflight is not None and inflight.get(route.sandbox_id, 0) >= limit:
+        return Reject(
+            reason=Reason.SANDBOX_LIMIT,
+            sandbox_id=route.sandbox_id,
+            limit=route.max_connections,
+        )
+    kind = Kind.ENVD if is_envd else Kind.APP
+    return _forward(head, kind, found, route, path, fields, rules, split)
+
+
+def _forward(
+    head: RequestHead,
+    kind: Kind,
+    found: Target | None,
+    route: Route | None,
+    path: bytes,
+    fields: dict[bytes, list[bytes]],
+    rules: headers.OutboundRules,
+    split: policy.SplitTarget,
+) -> Forward:
+    return Forward(
+        kind=kind,
+        target=found,
+        route=route,
+        method=head.method,
+        path=path,
+        headers=headers.request_headers(head.headers, fields, rules),
+        framing=rules.framing,
+        content_length=rules.content_length,
+        websocket=rules.websocket,
+        log_path=split.clean_path,
+    )

@@ -1,0 +1,155 @@
+"""Header rules: hop-by-hop fields, credential stripping, X-Forwarded-* (SPEC §2, §4).
+
+relay re-frames every message it forwards (SPEC §5a), so the framing fields of the inbound
+message (``Content-Length``, ``Transfer-Encoding``) are always dropped and the adapter's
+framing is written instead; nothing reaches a peer in the other side's framing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from relay.core.model import Framing, Headers
+
+# RFC 9110 §7.6.1 names Connection, Proxy-Connection, Keep-Alive, TE, Transfer-Encoding and
+# Upgrade; Proxy-Authenticate/-Authorization are for this hop only (RFC 9110 §11.7), and
+# Trailer announces trailers relay does not forward. Content-Length is re-written by relay.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"proxy-connection",
+        b"keep-alive",
+        b"te",
+        b"transfer-encoding",
+        b"upgrade",
+        b"trailer",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"content-length",
+    }
+)
+ACCESS_TOKEN = b"x-access-token"
+TRAFFIC_TOKEN = b"e2b-traffic-access-token"
+CREDENTIALS = frozenset({ACCESS_TOKEN, TRAFFIC_TOKEN})
+FORWARDED = frozenset(
+    {
+        b"forwarded",
+        b"x-forwarded-for",
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
+        b"x-forwarded-port",
+        b"x-forwarded-prefix",
+        b"x-real-ip",
+    }
+)
+# Fields that must appear at most once: two routing ids or two tokens are ambiguous, and
+# a verifier and an upstream could each read a different one (SPEC §5a).
+SINGLETONS = (b"host", b"e2b-sandbox-id", b"e2b-sandbox-port", ACCESS_TOKEN, TRAFFIC_TOKEN)
+
+
+def index(headers: Headers) -> dict[bytes, list[bytes]]:
+    """Lower-cased name → values in order of appearance."""
+    out: dict[bytes, list[bytes]] = {}
+    for name, value in headers:
+        key = name.lower()
+        values = out.get(key)
+        if values is None:
+            out[key] = [value]
+        else:
+            values.append(value)
+    return out
+
+
+def connection_tokens(values: list[bytes] | None) -> frozenset[bytes]:
+    """Lower-cased tokens of all ``Connection`` fields (RFC 9110 §7.6.1)."""
+    if not values:
+        return frozenset()
+    return frozenset(
+        token.strip().lower() for value in values for token in value.split(b",") if token.strip()
+    )
+
+
+def repeated_singleton(fields: dict[bytes, list[bytes]]) -> bytes | None:
+    for name in SINGLETONS:
+        values = fields.get(name)
+        if values is not None and len(values) > 1:
+            return name
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutboundRules:
+    """What to remove from and add to a request on its way upstream."""
+
+    drop: frozenset[bytes]
+    framing: Framing
+    content_length: int = 0
+    websocket: bool = False
+    # Set only for a peer in ``listen.trusted_proxies``: (client ip, scheme, host).
+    forwarded_for: tuple[str, str, bytes] | None = None
+
+
+def request_headers(
+    headers: Headers, fields: dict[bytes, list[bytes]], rules: OutboundRules
+) -> Headers:
+    """The end-to-end request fields to send upstream, in the client's order."""
+    drop = rules.drop | connection_tokens(fields.get(b"connection"))
+    if rules.forwarded_for is None:
+        drop = drop | FORWARDED
+    out = [(name, value) for name, value in headers if name.lower() not in drop]
+    if rules.forwarded_for is not None:
+        out = _with_forwarded(out, fields, rules.forwarded_for)
+    out.extend(_framing(rules.framing, rules.content_length))
+    if rules.websocket:
+        out.append((b"Connection", b"Upgrade"))
+        out.append((b"Upgrade", b"websocket"))
+    return tuple(out)
+
+
+def _with_forwarded(
+    out: list[tuple[bytes, bytes]],
+    fields: dict[bytes, list[bytes]],
+    forwarded_for: tuple[str, str, bytes],
+) -> list[tuple[bytes, bytes]]:
+    """Behind a trusted proxy: append this hop to X-Forwarded-For and keep the proxy's
+    X-Forwarded-Proto/-Host, filling them from this hop when the proxy did not set them."""
+    client, scheme, host = forwarded_for
+    out = [(n, v) for n, v in out if n.lower() != b"x-forwarded-for"]
+    prior = b", ".join(fields.get(b"x-forwarded-for", []))
+    out.append((b"X-Forwarded-For", (prior + b", " if prior else b"") + client.encode()))
+    if b"x-forwarded-proto" not in fields:
+        out.append((b"X-Forwarded-Proto", scheme.encode()))
+    if b"x-forwarded-host" not in fields and host:
+        out.append((b"X-Forwarded-Host", host))
+    return out
+
+
+def _framing(framing: Framing, length: int) -> Iterable[tuple[bytes, bytes]]:
+    if framing is Framing.LENGTH:
+        return ((b"Content-Length", str(length).encode()),)
+    if framing is Framing.CHUNKED:
+        return ((b"Transfer-Encoding", b"chunked"),)
+    return ()
+
+
+def response_headers(headers: Headers, *, upgraded: bool) -> Headers:
+    """Upstream response fields to pass to the client, without hop-by-hop fields.
+
+    A 101 to a WebSocket upgrade keeps ``Connection: Upgrade`` and ``Upgrade`` (RFC 9110
+    §7.8), which the handshake needs; relay re-adds them itself in a fixed spelling.
+    """
+    fields = index(headers)
+    drop = HOP_BY_HOP | connection_tokens(fields.get(b"connection"))
+    out = [(name, value) for name, value in headers if name.lower() not in drop]
+    if upgraded:
+        out.append((b"Connection", b"Upgrade"))
+        out.append((b"Upgrade", b"websocket"))
+    return tuple(out)
+
+
+def serialise_request(method: bytes, target: bytes, headers: Headers) -> bytes:
+    """An HTTP/1.1 request head; relay always speaks HTTP/1.1 upstream."""
+    lines = [method + b" " + target + b" HTTP/1.1"]
+    lines.extend(name + b": " + value for name, value in headers)
+    return b"\r\n".join(lines) + b"\r\n\r\n"

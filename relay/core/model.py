@@ -1,0 +1,192 @@
+"""Plain data that crosses the boundary between relay's pure core and its I/O adapters.
+
+Everything here is a frozen, slotted dataclass or an enum: no behaviour beyond small derived
+properties, so that the decision functions in ``relay.core`` are easy to test as tables.
+
+Header names and values stay ``bytes`` as they came off the wire (latin-1 in HTTP/1.1,
+RFC 9110 §5.5): the core compares lower-cased names and never needs to decode most values,
+and the adapter can serialise the outgoing head without a round trip through ``str``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+Headers = tuple[tuple[bytes, bytes], ...]
+
+
+class Kind(enum.Enum):
+    """What a forwarded request is for; also the ``kind`` label of request metrics."""
+
+    ENVD = "envd"
+    APP = "app"
+    MANAGEMENT = "management"
+
+
+class Framing(enum.Enum):
+    """How a message body is delimited on the wire (RFC 9112 §6)."""
+
+    NONE = "none"
+    LENGTH = "length"
+    CHUNKED = "chunked"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The sandbox and port a request is for (SPEC §1)."""
+
+    sandbox_id: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestHead:
+    """A parsed request head, as the HTTP parser (llhttp) validated it."""
+
+    method: bytes
+    target: bytes
+    version: str
+    headers: Headers
+    peer: str = ""
+    tls: bool = False
+    # True when llhttp saw ``Connection: upgrade`` together with an ``Upgrade`` field.
+    upgrade: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Route:
+    """Where a running sandbox is and what its credentials are (SPEC §3).
+
+    Tokens are excluded from ``repr`` and comparisons print nothing secret; use
+    :func:`relay.core.routes.public_view` for anything shown to an operator.
+    """
+
+    sandbox_id: str
+    address: str
+    envd_token: str | None = field(default=None, repr=False)
+    traffic_token: str | None = field(default=None, repr=False)
+    generation: int = 0
+    insecure: bool = False
+    max_connections: int = 0
+
+
+class Reason(enum.Enum):
+    """Every answer relay makes itself: status, metric label and default text in one table.
+
+    The table replaces a ladder of branches each repeating a status, a log call and a
+    template (the shape E2B's Go proxy has); ``relay.core.answers`` renders any member.
+    """
+
+    CONNECT = (405, "connect", "CONNECT is not supported")
+    BAD_VERSION = (505, "bad_version", "HTTP version not supported")
+    BAD_TRANSFER_ENCODING = (501, "bad_framing", "Transfer-Encoding other than chunked")
+    BAD_REQUEST = (400, "bad_request", "Bad request")
+    HEADERS_TOO_LARGE = (431, "headers_too_large", "Request header fields too large")
+    BAD_TARGET_FORM = (400, "bad_target", "The request target must be in origin-form")
+    BAD_PATH = (400, "bad_path", "The request path has a forbidden encoding")
+    BAD_UPGRADE = (400, "bad_upgrade", "Only WebSocket upgrades are supported")
+    BAD_HOST = (400, "bad_host", "Invalid host")
+    BAD_ROUTING_HEADER = (400, "bad_routing_header", "Invalid sandbox routing headers")
+    REPEATED_FIELD = (400, "repeated_field", "A header field that must appear once is repeated")
+    BAD_EXPIRATION = (400, "bad_signature_expiration", "Invalid signature_expiration")
+    ENVD_UNAUTHORIZED = (
+        401,
+        "envd_token",
+        "unauthorized access, please provide a valid access token or method signing if supported",
+    )
+    TRAFFIC_TOKEN_MISSING = (
+        403,
+        "traffic_token_missing",
+        "Sandbox is secured with traffic access token. "
+        "Token header 'e2b-traffic-access-token' is missing",
+    )
+    TRAFFIC_TOKEN_INVALID = (
+        403,
+        "traffic_token_invalid",
+        "Sandbox is secured with traffic access token. "
+        "Provided token in header 'e2b-traffic-access-token' is invalid",
+    )
+    CONTROL_PORT = (
+        403,
+        "control_port",
+        "This port is reserved for the control plane and is not reachable through the sandbox URL",
+    )
+    CONTROL_PATH = (
+        404,
+        "control_path",
+        "This endpoint is reserved for the control plane and is not reachable through the "
+        "sandbox URL",
+    )
+    NO_TARGET = (
+        404,
+        "no_target",
+        "No sandbox in the request: use the <port>-<sandboxId>.<domain> host or the "
+        "E2b-Sandbox-Id and E2b-Sandbox-Port headers",
+    )
+    SANDBOX_LIMIT = (
+        429,
+        "sandbox_limit",
+        "The sandbox has too many concurrent incoming connections",
+    )
+    NOT_FOUND = (502, "not_found", "The sandbox was not found")
+    PORT_CLOSED = (502, "port_closed", "The sandbox is running but port is not open")
+    UPSTREAM_ERROR = (502, "upstream_error", "The sandbox answered with a malformed response")
+    MANAGEMENT_UNAVAILABLE = (502, "management_unavailable", "The API server is unreachable")
+    NOT_READY = (503, "not_ready", "route cache is not ready")
+    STALE = (503, "stale", "route cache is stale")
+    OVERLOADED = (503, "overloaded", "relay has too many open connections")
+    DRAINING = (503, "draining", "relay is shutting down")
+
+    def __init__(self, status: int, label: str, text: str) -> None:
+        self.status = status
+        self.label = label
+        self.text = text
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reject:
+    """An answer relay gives itself instead of forwarding (SPEC §5)."""
+
+    reason: Reason
+    detail: str | None = None  # replaces the reason's default text (400s "say which")
+    sandbox_id: str | None = None  # echoed as ``sandboxId`` once a route was looked up
+    port: int | None = None
+    path: str | None = None  # the cleaned path, for the reserved-endpoint 404
+    limit: int | None = None  # the per-sandbox connection limit, for 429
+    retry_after: int | None = None
+
+    @property
+    def status(self) -> int:
+        return self.reason.status
+
+    @property
+    def message(self) -> str:
+        if self.detail is not None:
+            return self.detail
+        if self.reason is Reason.SANDBOX_LIMIT and self.limit is not None:
+            return f"{self.reason.text} (limit: {self.limit})"
+        return self.reason.text
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forward:
+    """A request relay forwards, with everything the adapter needs to write it upstream."""
+
+    kind: Kind
+    target: Target | None
+    route: Route | None
+    method: bytes
+    # The request-target sent upstream: the client's raw bytes, minus stripped query pairs.
+    path: bytes
+    # End-to-end headers to send (hop-by-hop and stripped credentials removed, framing and
+    # upgrade fields added), in the client's order.
+    headers: Headers
+    framing: Framing
+    content_length: int
+    websocket: bool = False
+    # The cleaned path, for logs (never includes the query).
+    log_path: str = ""
+
+
+Decision = Forward | Reject

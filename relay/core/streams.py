@@ -1,0 +1,146 @@
+"""Message boundaries inside relayed byte streams, so relay can end a stream cleanly.
+
+relay passes stream bodies through as they arrive, but when a stream is cut (the route was
+revoked, the upstream broke, the relay is draining) it must end the stream in a way the peer
+understands:
+
+* a Connect server stream (``application/connect+json``) ends with an end-of-stream envelope
+  ``{"error":{"code":"unavailable",...}}``, the text E2B's own proxy uses
+  (e2b-dev/runtime ``serveStream``); SDKs read it as "sandbox unavailable" instead of a torn
+  body. That envelope can only follow a *whole* envelope, so an incomplete envelope is held
+  back until its last byte arrives (envd writes each event in one write, so in practice
+  nothing waits); an envelope larger than ``hold_limit`` streams through unheld.
+* a WebSocket gets a Close frame (RFC 6455 §5.5.1), which may only start at a frame boundary;
+  control frames may sit between the fragments of a message (§5.4), so any boundary will do.
+
+Envelope: ``flags:1 | length:4 (big-endian) | payload`` (connectrpc ``_envelope.py``);
+flag ``0x02`` marks the end of the stream.
+"""
+
+from __future__ import annotations
+
+import json
+
+END_STREAM_FLAG = 0x02
+DEFAULT_HOLD_LIMIT = 256 * 1024
+
+
+def end_stream_frame(sandbox_id: str) -> bytes:
+    """The end-of-stream envelope a cut Connect stream ends with (SPEC §3, Revocation)."""
+    payload = json.dumps(
+        {
+            "error": {
+                "code": "unavailable",
+                "message": f"the connection to sandbox {sandbox_id} ended before the stream "
+                "completed",
+            }
+        },
+        separators=(",", ":"),
+    ).encode()
+    return bytes([END_STREAM_FLAG]) + len(payload).to_bytes(4, "big") + payload
+
+
+class EnvelopeTracker:
+    """Splits a Connect stream body so that only whole envelopes are released."""
+
+    __slots__ = ("_held", "_hold_limit", "_skip", "ended")
+
+    def __init__(self, hold_limit: int = DEFAULT_HOLD_LIMIT) -> None:
+        self._held = b""
+        self._skip = 0  # bytes of an oversized envelope still to pass through unheld
+        self._hold_limit = hold_limit
+        self.ended = False  # the upstream's own end-of-stream envelope was seen
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self._held and not self._skip
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes that may be released now; the rest is held until its envelope completes."""
+        released = b""
+        if self._skip:
+            take = min(self._skip, len(data))
+            released, data = data[:take], data[take:]
+            self._skip -= take
+            if not data:
+                return released
+        buf = self._held + data if self._held else data
+        pos, n = 0, len(buf)
+        while n - pos >= 5:
+            total = 5 + int.from_bytes(buf[pos + 1 : pos + 5], "big")
+            if n - pos >= total:
+                if buf[pos] & END_STREAM_FLAG:
+                    self.ended = True
+                pos += total
+                continue
+            if total > self._hold_limit:
+                self._skip = total - (n - pos)
+                pos = n
+            break
+        self._held = buf[pos:]
+        if not released:
+            return buf[:pos] if pos < n else buf
+        return released + buf[:pos]
+
+
+# --- WebSocket (RFC 6455 §5.2) ----------------------------------------------------------
+
+CLOSE_GOING_AWAY = 1001
+
+
+class FrameTracker:
+    """Follows WebSocket frame boundaries in one direction without buffering payloads."""
+
+    __slots__ = ("_header", "_remaining")
+
+    def __init__(self) -> None:
+        self._header = b""  # an incomplete frame header
+        self._remaining = 0  # payload bytes of the current frame not yet seen
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self._header and not self._remaining
+
+    def feed(self, data: bytes) -> None:
+        pos, n = 0, len(data)
+        while pos < n:
+            if self._remaining:
+                step = min(self._remaining, n - pos)
+                self._remaining -= step
+                pos += step
+                continue
+            header = self._header + data[pos : pos + 14]
+            size = _header_size(header)
+            if size is None or len(header) < size:
+                self._header = header
+                return
+            used = size - len(self._header)
+            self._header = b""
+            pos += used
+            self._remaining = _payload_length(header)
+
+
+def _header_size(header: bytes) -> int | None:
+    if len(header) < 2:
+        return None
+    length7 = header[1] & 0x7F
+    extended = 2 if length7 == 126 else 8 if length7 == 127 else 0
+    return 2 + extended + (4 if header[1] & 0x80 else 0)
+
+
+def _payload_length(header: bytes) -> int:
+    length7 = header[1] & 0x7F
+    if length7 == 126:
+        return int.from_bytes(header[2:4], "big")
+    if length7 == 127:
+        return int.from_bytes(header[2:10], "big")
+    return length7
+
+
+def close_frame(code: int, reason: str = "", mask: bytes | None = None) -> bytes:
+    """A Close frame; ``mask`` (4 bytes) is required towards a server (RFC 6455 §5.3)."""
+    payload = code.to_bytes(2, "big") + reason.encode()[:123]
+    if mask is None:
+        return bytes([0x88, len(payload)]) + payload
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([0x88, 0x80 | len(payload)]) + mask + masked

@@ -1,0 +1,132 @@
+"""Which sandbox and port a request is for (SPEC §1).
+
+Two forms, checked in order:
+
+1. the Host form ``<port>-<sandboxId>[-<ignored>...].<domain>``, which every SDK version uses
+   for signed file URLs and which SDK 2.25's ``Sandbox.connect()`` relies on alone (it sends no
+   routing headers: e2b-cookbook#103);
+2. the header form ``E2b-Sandbox-Id`` + ``E2b-Sandbox-Port``, which SDKs >= 2.30 send on every
+   envd request to ``https://sandbox.<domain>`` or to a fixed ``E2B_SANDBOX_URL``.
+
+Unlike E2B's Go proxy, which silently ignores routing headers on a non-shared Host, relay
+honours both and refuses a request whose two forms disagree: a request never goes to a
+sandbox other than the one every part of it names.
+"""
+
+from __future__ import annotations
+
+import re
+
+from relay.core.model import Reason, Reject, Target
+
+_SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
+_PORT = re.compile(r"[1-9][0-9]{0,4}")
+_PORT_LABEL = re.compile(r"[0-9]+-")
+# RFC 3986 reg-name characters that can appear in a DNS name, plus the IPv6 literal form.
+_REG_NAME = re.compile(r"[a-z0-9._~!$&'()*+,;=-]*")
+_IPV6_LITERAL = re.compile(r"\[[0-9a-f:.]+\]")
+
+
+def parse_port(text: str) -> int | None:
+    """Decimal 1-65535, digits only, no sign, no leading zero (SPEC §1)."""
+    if _PORT.fullmatch(text) is None:
+        return None
+    port = int(text)
+    return port if port <= 65535 else None
+
+
+def valid_sandbox_id(text: str) -> bool:
+    return _SANDBOX_ID.fullmatch(text) is not None
+
+
+def normalise_host(value: bytes) -> str | None:
+    """Host without port and one trailing dot, lower-cased; None when it is not a host.
+
+    RFC 9110 §7.2: ``Host = uri-host [ ":" port ]``.
+    """
+    try:
+        text = value.decode("ascii").strip().lower()
+    except UnicodeDecodeError:
+        return None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            return None
+        host, rest = text[: end + 1], text[end + 1 :]
+        if _IPV6_LITERAL.fullmatch(host) is None:
+            return None
+    else:
+        host, colon, port = text.partition(":")
+        rest = colon + port
+    # ``port = *DIGIT`` (RFC 3986 §3.2.3), so an empty port after the colon is allowed.
+    if rest and (rest[0] != ":" or not (rest[1:] == "" or rest[1:].isdigit())):
+        return None
+    if host.endswith("."):
+        host = host[:-1]
+    if not host or (not host.startswith("[") and _REG_NAME.fullmatch(host) is None):
+        return None
+    return host
+
+
+def target_from_host(host: str, domains: tuple[str, ...]) -> Target | Reject | None:
+    """The Host form. ``domains`` are lower-case, longest first, so the most specific wins."""
+    for domain in domains:
+        if host == domain or not host.endswith(domain) or host[-len(domain) - 1] != ".":
+            continue
+        labels = host[: -len(domain) - 1]
+        if "." in labels:
+            return Reject(
+                reason=Reason.BAD_HOST,
+                detail=f"Invalid host: only one label may precede the domain {domain}",
+            )
+        if _PORT_LABEL.match(labels) is None:
+            return None  # sandbox.<domain>, api.<domain>, ...: no target in the name
+        parts = labels.split("-")
+        port = parse_port(parts[0])
+        if port is None:
+            return Reject(reason=Reason.BAD_HOST, detail="Invalid sandbox port in host")
+        if not valid_sandbox_id(parts[1]):
+            return Reject(reason=Reason.BAD_HOST, detail="Invalid sandbox ID in host")
+        return Target(parts[1], port)
+    return None
+
+
+def target_from_headers(
+    ids: list[bytes] | None, ports: list[bytes] | None
+) -> Target | Reject | None:
+    """The header form; values are validated but, unlike the Host, not lower-cased."""
+    if ids is None and ports is None:
+        return None
+    if ids is None or ports is None:
+        missing = "E2b-Sandbox-Id" if ids is None else "E2b-Sandbox-Port"
+        return Reject(reason=Reason.BAD_ROUTING_HEADER, detail=f"missing header {missing}")
+    if len(ids) > 1 or len(ports) > 1:
+        return Reject(reason=Reason.REPEATED_FIELD, detail="E2b-Sandbox-Id/Port is repeated")
+    sandbox_id = ids[0].decode("latin-1").strip()
+    if not valid_sandbox_id(sandbox_id):
+        return Reject(reason=Reason.BAD_ROUTING_HEADER, detail="Invalid sandbox ID")
+    port = parse_port(ports[0].decode("latin-1").strip())
+    if port is None:
+        return Reject(reason=Reason.BAD_ROUTING_HEADER, detail="Invalid sandbox port")
+    return Target(sandbox_id, port)
+
+
+def find_target(
+    host: str | None,
+    ids: list[bytes] | None,
+    ports: list[bytes] | None,
+    domains: tuple[str, ...],
+) -> Target | Reject | None:
+    """Both forms in SPEC order; None means the request names no sandbox."""
+    from_host = target_from_host(host, domains) if host is not None else None
+    if isinstance(from_host, Reject):
+        return from_host
+    from_headers = target_from_headers(ids, ports)
+    if isinstance(from_headers, Reject):
+        return from_headers
+    if from_host is not None and from_headers is not None and from_host != from_headers:
+        return Reject(
+            reason=Reason.BAD_ROUTING_HEADER,
+            detail="The Host and the E2b-Sandbox-Id/Port headers name different targets",
+        )
+    return from_host if from_host is not None else from_headers

@@ -1,0 +1,41 @@
+"""The contract between a client connection and what runs on it (exchanges, splices).
+
+``relay.server`` implements :class:`Client`; ``relay.forward`` and ``relay.websocket`` only
+see this interface, which keeps the import graph a tree and makes each side testable alone.
+
+Flow control is by reasons: a client connection stops reading while any reason to pause is
+set and resumes when the last one is cleared, so independent parts (a dialling exchange, a
+full upstream buffer, queued pipelined requests) never resume each other's pause by mistake.
+Plain ``int`` bits rather than ``enum.IntFlag``: they are set and cleared per request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from relay.runtime import Relay
+    from relay.websocket import Splice
+
+PAUSE_UPSTREAM_FULL = 1  # the upstream's write buffer is full (request body backpressure)
+PAUSE_DIAL = 2  # the active exchange waits for its upstream connection
+PAUSE_QUEUE = 4  # pipelined requests wait behind the active exchange
+PAUSE_UPGRADE = 8  # a WebSocket handshake is in flight
+
+
+class Client(Protocol):
+    """What exchanges and splices need from the client connection they run on."""
+
+    relay: Relay
+    peer: str
+    write_paused: bool  # the client's socket buffer is full: stop reading the upstream
+
+    def write(self, data: bytes) -> None: ...
+    def writelines(self, parts: list[bytes]) -> None: ...
+    def pause(self, reason: int) -> None: ...
+    def resume(self, reason: int) -> None: ...
+    def resume_all(self) -> None: ...
+    def close(self) -> None: ...
+    def start_splice(self, splice: Splice) -> None: ...
+    def exchange_finished(self, exchange: object, *, keep_alive: bool) -> None: ...
+    def exchange_cut(self, exchange: object) -> None: ...

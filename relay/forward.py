@@ -1,0 +1,567 @@
+"""One request/response exchange: decide, then stream it through a pooled upstream.
+
+An :class:`Exchange` is created per request by the client protocol and, once started, runs
+entirely in callbacks: the request head is written upstream once, request body chunks are
+re-framed and written as llhttp delivers them, and the response is framed by llhttp and each
+chunk written to the client as it arrives (SPEC §4: no buffering, no decompression).
+Backpressure is transport-level in both directions: a full client write buffer pauses
+reading from the upstream and vice versa, so memory stays bounded whatever the peers do.
+
+A response already started cannot become an error answer. When such a response is cut (the
+upstream broke, or the route was revoked), a Connect stream gets a well-formed
+``unavailable`` end-of-stream envelope and a chunked terminator; any other body is left
+without its terminator and the client connection closed, so the client sees the truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import httptools
+
+from relay.core import headers as header_rules
+from relay.core.answers import reason_phrase, render, serialise_response
+from relay.core.model import Forward, Framing, Kind, Reason, Reject, RequestHead
+from relay.core.streams import EnvelopeTracker, end_stream_frame
+from relay.flow import PAUSE_DIAL, PAUSE_UPSTREAM_FULL
+from relay.upstreams import DialError, PoolKey, UpstreamConnection
+from relay.websocket import Splice
+
+if TYPE_CHECKING:
+    from relay.flow import Client
+
+log = logging.getLogger("relay.forward")
+
+CRLF = b"\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+# A refused request's body is read and dropped up to this size so that the connection can be
+# kept; past it the connection is closed after the answer.
+DISCARD_LIMIT = 1 << 20
+CONNECT_TYPE = b"application/connect+json"
+
+
+class State(enum.Enum):
+    NEW = "new"  # created, waiting behind a pipelined predecessor
+    DIALING = "dialing"  # forwarded, waiting for an upstream connection
+    STREAMING = "streaming"  # the upstream connection is attached
+    ANSWERED = "answered"  # relay answered itself; the request body is being discarded
+    UPGRADED = "upgraded"  # handed over to a WebSocket splice
+    DONE = "done"
+
+
+class Exchange:
+    __slots__ = (
+        "_client_framing",
+        "_dial_task",
+        "_discarded",
+        "_interim",
+        "_pending",
+        "_resp_headers",
+        "_resp_reason",
+        "_tail",
+        "_tracker",
+        "_upstream_keepalive",
+        "bytes_in",
+        "bytes_out",
+        "client",
+        "decision",
+        "head",
+        "keep_alive",
+        "parser",
+        "reason",
+        "request_complete",
+        "response_complete",
+        "started_at",
+        "state",
+        "status",
+        "upstream",
+    )
+
+    def __init__(self, client: Client, head: RequestHead, *, keep_alive: bool) -> None:
+        self.client = client
+        self.head = head
+        self.keep_alive = keep_alive
+        self.state = State.NEW
+        self.decision: Forward | Reject | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+        self._pending: list[bytes] = []  # framed request body waiting for the upstream
+        self._discarded = 0
+        self._tail = b""  # bytes the client sent after a WebSocket handshake
+        self._dial_task: asyncio.Task[None] | None = None
+        self._resp_headers: list[tuple[bytes, bytes]] = []
+        self._resp_reason = b""
+        self._interim = False
+        self._client_framing = Framing.NONE
+        self._tracker: EnvelopeTracker | None = None
+        self._upstream_keepalive = True
+        self.request_complete = False
+        self.response_complete = False
+        self.status = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.reason = ""
+        self.started_at = time.monotonic()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Called when this exchange becomes the client's active one."""
+        relay = self.client.relay
+        decision = relay.decide(self.head)
+        self.decision = decision
+        if isinstance(decision, Reject):
+            self._discarded += sum(map(len, self._pending))
+            self._pending = []
+            self.answer(decision)
+            return
+        relay.register(self)
+        key = self._pool_key(decision)
+        conn = relay.pool.acquire(key)
+        if conn is not None:
+            self._attach(conn)
+            return
+        self.state = State.DIALING
+        self.client.pause(PAUSE_DIAL)
+        self._dial_task = relay.spawn(self._dial(key))
+
+    def _pool_key(self, decision: Forward) -> PoolKey:
+        if decision.kind is Kind.MANAGEMENT:
+            host, port = self.client.relay.management_address
+            return PoolKey("", 0, host, port)
+        assert decision.route is not None
+        assert decision.target is not None
+        route = decision.route
+        return PoolKey(route.sandbox_id, route.generation, route.address, decision.target.port)
+
+    async def _dial(self, key: PoolKey) -> None:
+        relay = self.client.relay
+        try:
+            conn = await relay.pool.connect(key)
+        except DialError as exc:
+            self._dial_task = None
+            if self.state is State.DIALING:
+                self._dial_failed(exc)
+            return
+        self._dial_task = None
+        if self.state is not State.DIALING:
+            conn.close()  # revoked or the client left while dialling
+            return
+        self.client.resume(PAUSE_DIAL)
+        self._attach(conn)
+
+    def _dial_failed(self, exc: DialError) -> None:
+        decision = self.decision
+        assert isinstance(decision, Forward)
+        self.client.resume(PAUSE_DIAL)
+        if decision.kind is Kind.MANAGEMENT:
+            reject = Reject(reason=Reason.MANAGEMENT_UNAVAILABLE)
+        else:
+            assert decision.target is not None
+            reject = Reject(
+                reason=Reason.PORT_CLOSED,
+                sandbox_id=decision.target.sandbox_id,
+                port=decision.target.port,
+            )
+        self.reason = f"dial: {exc}"
+        self.answer(reject)
+
+    def _attach(self, conn: UpstreamConnection) -> None:
+        decision = self.decision
+        assert isinstance(decision, Forward)
+        self.upstream = conn
+        conn.owner = self
+        self.state = State.STREAMING
+        self.parser = httptools.HttpResponseParser(self)
+        head = header_rules.serialise_request(decision.method, decision.path, decision.headers)
+        if self._pending:
+            parts = [head]
+            for chunk in self._pending:
+                if decision.framing is Framing.CHUNKED:
+                    parts.extend((b"%x\r\n" % len(chunk), chunk, CRLF))
+                else:
+                    parts.append(chunk)
+            conn.writelines(parts)
+            self._pending = []
+        else:
+            conn.write(head)
+        if self.request_complete and decision.framing is Framing.CHUNKED:
+            conn.write(LAST_CHUNK)
+        if self.client.write_paused:
+            conn.pause_reading()
+
+    def answer(self, reject: Reject) -> None:
+        """Answer the client ourselves (before any response byte was written)."""
+        self.state = State.ANSWERED
+        self.client.relay.observer.refused(reject, self.client.peer)
+        answer = render(reject, self.head.headers)
+        self.status = answer.status
+        self.reason = self.reason or reject.reason.label
+        # Keep the connection only if the request body is (or will be) small enough to drop.
+        keep = self.keep_alive and not self.head.upgrade and self._discard_ok()
+        self.keep_alive = keep
+        fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
+        if not keep:
+            fields = (*fields, (b"Connection", b"close"))
+        self.client.write(
+            serialise_response(answer.status, reason_phrase(answer.status), fields) + answer.body
+        )
+        self.bytes_out += len(answer.body)
+        self.response_complete = True
+        self._pending = []
+        if self.request_complete or not keep:
+            self._finish()
+
+    def _discard_ok(self) -> bool:
+        if self.request_complete:
+            return True
+        cl = header_rules.index(self.head.headers).get(b"content-length")
+        if cl is not None:
+            try:
+                return int(cl[0]) <= DISCARD_LIMIT
+            except ValueError:
+                return False
+        return True  # chunked: dropped until the limit, then closed (see request_body)
+
+    def _finish(self) -> None:
+        if self.state is State.DONE:
+            return
+        upgraded = self.state is State.UPGRADED
+        self.state = State.DONE
+        relay = self.client.relay
+        relay.unregister(self)
+        conn, self.upstream = self.upstream, None
+        if conn is not None and not upgraded:
+            reusable = (
+                self._upstream_keepalive
+                and self.response_complete
+                and self.request_complete
+                and self.head.method != b"HEAD"
+                and not (isinstance(self.decision, Forward) and self.decision.websocket)
+            )
+            if reusable:
+                relay.pool.release(conn)
+            else:
+                conn.owner = None
+                conn.close()
+        relay.observer.exchange_done(self)
+        if not upgraded:
+            keep = self.keep_alive and self.request_complete
+            self.client.exchange_finished(self, keep_alive=keep)
+
+    # -- request side (called by the client protocol) -----------------------------------------
+    def request_body(self, chunk: bytes) -> None:
+        self.bytes_in += len(chunk)
+        state = self.state
+        decision = self.decision
+        if state is State.ANSWERED or state is State.DONE:
+            self._discarded += len(chunk)
+            if self._discarded > DISCARD_LIMIT:
+                self.keep_alive = False
+                self.client.close()
+            return
+        if state is State.STREAMING:
+            conn = self.upstream
+            assert conn is not None
+            assert isinstance(decision, Forward)
+            if decision.framing is Framing.CHUNKED:
+                conn.writelines([b"%x\r\n" % len(chunk), chunk, CRLF])
+            else:
+                conn.write(chunk)
+        else:
+            # Not attached yet (queued or dialling): raw chunks, framed when written.
+            self._pending.append(chunk)
+
+    def request_done(self) -> None:
+        self.request_complete = True
+        state = self.state
+        if state is State.STREAMING:
+            decision = self.decision
+            assert isinstance(decision, Forward)
+            assert self.upstream is not None
+            if decision.framing is Framing.CHUNKED:
+                self.upstream.write(LAST_CHUNK)
+            if self.response_complete:
+                self._finish()
+        elif state is State.ANSWERED:
+            self._finish()
+
+    def client_tail(self, tail: bytes) -> None:
+        self._tail += tail
+
+    def answered(self) -> bool:
+        return self.state in (State.ANSWERED, State.DONE)
+
+    def response_started(self) -> bool:
+        return self.status != 0
+
+    def client_lost(self) -> None:
+        if self.state is State.DONE:
+            return
+        if self._dial_task is not None:
+            self._dial_task.cancel()
+        self.keep_alive = False
+        self.reason = self.reason or "client_closed"
+        conn = self.upstream
+        if conn is not None:
+            conn.owner = None
+            conn.close()
+        self.upstream = None
+        self.state = State.DONE
+        self.client.relay.unregister(self)
+        self.client.relay.observer.exchange_done(self)
+
+    def client_pause_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def client_resume_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+
+    # -- upstream side (Owner protocol) -----------------------------------------------------
+    def upstream_data(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None:
+            return
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            self._upgraded(data[upgrade.args[0] :])
+        except httptools.HttpParserError as exc:
+            self.reason = f"upstream: {exc}"
+            self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+
+    def upstream_eof(self) -> None:
+        if self.state is not State.STREAMING:
+            return
+        if self.status and self._client_framing_until_close():
+            self.on_message_complete()  # a close-delimited body ends here (RFC 9112 §6.3)
+            return
+        self.reason = self.reason or "upstream_eof"
+        self.cut(_upstream_closed(self), upstream_failed=True)
+
+    def upstream_lost(self, exc: Exception | None) -> None:
+        self.upstream = None
+        if self.state is State.STREAMING and not self.response_complete:
+            self.reason = self.reason or ("upstream_reset" if exc else "upstream_eof")
+            self.cut(_upstream_closed(self), upstream_failed=True)
+
+    def upstream_pause_writing(self) -> None:
+        self.client.pause(PAUSE_UPSTREAM_FULL)
+
+    def upstream_resume_writing(self) -> None:
+        self.client.resume(PAUSE_UPSTREAM_FULL)
+
+    # -- llhttp callbacks (response side) -------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._resp_headers = []
+
+    def on_status(self, reason: bytes) -> None:
+        self._resp_reason = reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.status:
+            self._resp_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        assert parser is not None
+        status = parser.get_status_code()
+        raw = tuple(self._resp_headers)
+        if 100 <= status < 200 and status != 101:
+            # Interim responses (100 Continue, 103 Early Hints) pass through to HTTP/1.1
+            # clients (RFC 9110 §15.2); the final response follows on the same parser.
+            self._interim = True
+            if self.head.version == "1.1":
+                fields = header_rules.response_headers(raw, upgraded=False)
+                self.client.write(serialise_response(status, self._resp_reason, fields))
+            return
+        self._interim = False
+        self.status = status
+        fields_index = header_rules.index(raw)
+        self._upstream_keepalive = parser.should_keep_alive()
+        decision = self.decision
+        assert isinstance(decision, Forward)
+        if status == 101:
+            if not decision.websocket:
+                self.reason = "upstream: unsolicited 101"
+                self._upstream_keepalive = False
+                self.status = 0
+                self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+                return
+            fields = header_rules.response_headers(raw, upgraded=True)
+            self.client.write(serialise_response(101, self._resp_reason, fields))
+            return
+        out = list(header_rules.response_headers(raw, upgraded=False))
+        is_head = self.head.method == b"HEAD"
+        no_body = is_head or status in (204, 304)
+        cl = fields_index.get(b"content-length")
+        if no_body:
+            framing = Framing.NONE
+            if cl is not None and status != 204:
+                out.append((b"Content-Length", cl[0]))  # the size a GET would have (RFC 9110 §8.6)
+        elif cl is not None and b"transfer-encoding" not in fields_index:
+            framing = Framing.LENGTH
+            out.append((b"Content-Length", cl[0]))
+        elif self.head.version == "1.1":
+            framing = Framing.CHUNKED
+            out.append((b"Transfer-Encoding", b"chunked"))
+        else:
+            framing = Framing.NONE  # HTTP/1.0 client: delimited by closing the connection
+            self.keep_alive = False
+        self._client_framing = framing
+        if decision.websocket:
+            self.keep_alive = False  # the client asked to leave HTTP; do not keep it in it
+        if not self.keep_alive:
+            out.append((b"Connection", b"close"))
+        content_type = fields_index.get(b"content-type")
+        if (
+            framing is Framing.CHUNKED
+            and content_type
+            and content_type[0].lower().startswith(CONNECT_TYPE)
+        ):
+            self._tracker = EnvelopeTracker()
+        self.client.write(
+            serialise_response(status, self._resp_reason or reason_phrase(status), tuple(out))
+        )
+        if is_head:
+            # llhttp cannot be told that a response answers HEAD, so it would wait for the
+            # announced body: the response ends here and the connection is not reused.
+            self.response_complete = True
+            self._upstream_keepalive = False
+            if self.request_complete:
+                self._finish()
+
+    def on_body(self, body: bytes) -> None:
+        if self.response_complete or self._interim:
+            return
+        tracker = self._tracker
+        if tracker is not None:
+            body = tracker.feed(body)
+            if not body:
+                return
+        self.bytes_out += len(body)
+        if self._client_framing is Framing.CHUNKED:
+            self.client.writelines([b"%x\r\n" % len(body), body, CRLF])
+        else:
+            self.client.write(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        if self.response_complete or self.state is not State.STREAMING:
+            return
+        self.response_complete = True
+        if self._client_framing is Framing.CHUNKED:
+            self.client.write(LAST_CHUNK)
+        elif self._client_framing is Framing.NONE and self.status and not self.keep_alive:
+            pass  # close-delimited for an HTTP/1.0 client: closing ends the body
+        if not self.request_complete:
+            # The upstream answered before the request body ended (e.g. 413): the rest of the
+            # body has nowhere to go, so neither connection can be kept.
+            self.keep_alive = False
+            self._upstream_keepalive = False
+            self.request_complete = True
+        self._finish()
+
+    def _client_framing_until_close(self) -> bool:
+        """The upstream response has no length: its body ends when the upstream closes."""
+        if self.response_complete:
+            return False
+        idx = header_rules.index(tuple(self._resp_headers))
+        return b"content-length" not in idx and b"transfer-encoding" not in idx
+
+    # -- upgrade --------------------------------------------------------------------------------
+    def _upgraded(self, upstream_tail: bytes) -> None:
+        decision = self.decision
+        conn = self.upstream
+        if self.status != 101 or conn is None or not isinstance(decision, Forward):
+            self.reason = "upstream: unexpected upgrade"
+            self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+            return
+        self.state = State.UPGRADED
+        self.response_complete = True
+        self.parser = None
+        relay = self.client.relay
+        relay.unregister(self)
+        relay.observer.exchange_done(self)
+        splice = Splice(self.client, conn, decision, self._tail, upstream_tail)
+        self.upstream = None
+        self._tail = b""
+        splice.start()
+
+    # -- ending early ---------------------------------------------------------------------------
+    def revoke(self) -> None:
+        """The route of this exchange's sandbox was revoked (SPEC §3)."""
+        self.reason = "revoked"
+        decision = self.decision
+        sandbox_id = (
+            decision.target.sandbox_id
+            if isinstance(decision, Forward) and decision.target
+            else None
+        )
+        self.cut(Reject(reason=Reason.NOT_FOUND, sandbox_id=sandbox_id), upstream_failed=False)
+
+    def cut(self, reject: Reject, *, upstream_failed: bool) -> None:
+        """End the exchange now: an answer if nothing was written yet, else a clean or
+        visibly truncated end of the response."""
+        if self.state in (State.DONE, State.ANSWERED, State.UPGRADED):
+            return
+        if self._dial_task is not None:
+            self._dial_task.cancel()
+            self._dial_task = None
+            self.client.resume(PAUSE_DIAL)
+        conn, self.upstream = self.upstream, None
+        self._upstream_keepalive = False
+        if conn is not None:
+            conn.owner = None
+            conn.close()
+        self.client.resume(PAUSE_UPSTREAM_FULL)
+        if not self.status:
+            self.answer(reject)
+            if self.head.upgrade or not self.request_complete:
+                self.client.close()
+            return
+        tracker = self._tracker
+        decision = self.decision
+        if (
+            tracker is not None
+            and tracker.at_boundary
+            and not tracker.ended
+            and isinstance(decision, Forward)
+            and decision.target is not None
+        ):
+            frame = end_stream_frame(decision.target.sandbox_id)
+            self.client.writelines([b"%x\r\n" % len(frame), frame, CRLF, LAST_CHUNK])
+            self.response_complete = True
+            if not self.request_complete:
+                self.keep_alive = False
+            self.request_complete = True
+            self._finish()
+            return
+        # No clean end is possible: close without the terminator so the client sees it.
+        self.keep_alive = False
+        self.response_complete = False
+        self.state = State.DONE
+        relay = self.client.relay
+        relay.unregister(self)
+        relay.observer.exchange_done(self)
+        self.client.exchange_cut(self)
+
+
+def _upstream_closed(exchange: Exchange) -> Reject:
+    decision = exchange.decision
+    if isinstance(decision, Forward) and decision.kind is Kind.MANAGEMENT:
+        return Reject(reason=Reason.MANAGEMENT_UNAVAILABLE)
+    return Reject(
+        reason=Reason.UPSTREAM_ERROR,
+        detail="The sandbox closed the connection before answering",
+        sandbox_id=decision.target.sandbox_id
+        if isinstance(decision, Forward) and decision.target
+        else None,
+    )

@@ -1,0 +1,304 @@
+"""The running relay: listeners, route table, live exchanges, revocation, admin endpoints.
+
+``serve → start → (signals) → drain → stop`` reads top to bottom in :func:`serve`. The
+:class:`Relay` object is the hub the adapters share: it owns the route table snapshot and the
+feed's freshness, hands ``decide`` its inputs, and keeps an index of live exchanges and
+WebSocket splices per sandbox so that a revoked route ends them at once (SPEC §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from relay.config import Config, networks, parse_http_url, split_address
+from relay.core.decide import FeedState, decide
+from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route
+from relay.core.routes import RouteError, RouteTable
+from relay.feeds.file import FileFeed
+from relay.observe import Observer
+from relay.server import ClientConnection, Timers
+from relay.tls import ReloadableContext
+from relay.upstreams import Pool
+
+log = logging.getLogger("relay")
+
+SWEEP_INTERVAL_S = 0.5
+
+
+class Live(Protocol):
+    """An exchange or splice that a revocation can end."""
+
+    @property
+    def decision(self) -> Decision | None: ...
+
+    def revoke(self) -> None: ...
+
+
+class Relay:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.settings = config.settings()
+        self.allowed_cidrs = config.allowed_cidrs()
+        self.allowed_clients = networks(config.listen.allowed_clients)
+        self.table = RouteTable()
+        self.feed_state = FeedState(ready=False)
+        self.observer = Observer()
+        self.pool = Pool(
+            connect_timeout_s=config.upstream.connect_timeout_s,
+            idle_timeout_s=config.upstream.idle_timeout_s,
+            max_idle_per_key=config.upstream.max_idle_per_upstream,
+            source_address=config.upstream.source_address or None,
+        )
+        self.timers = Timers(config.listen.header_timeout_s, config.listen.idle_timeout_s)
+        self.connections: set[ClientConnection] = set()
+        self.live: dict[str, set[Live]] = {}
+        self.inflight: dict[str, int] = {}
+        self.draining = False
+        self.management_address: tuple[str, int] = ("", 0)
+        if config.management.upstream:
+            parsed = parse_http_url(config.management.upstream)
+            assert parsed is not None  # validated with the config
+            self.management_address = parsed
+        self.tls: ReloadableContext | None = None
+        self.feed = FileFeed(
+            self,
+            config.path(config.routes.file),
+            self.allowed_cidrs,
+            config.routes.poll_interval_s,
+        )
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._servers: list[asyncio.AbstractServer] = []
+        self._admin: web.AppRunner | None = None
+        self.bound: list[tuple[str, int]] = []  # data listener addresses, once bound
+        self.admin_bound: tuple[str, int] | None = None
+
+    # -- decisions ----------------------------------------------------------------------------
+    def decide(self, head: RequestHead) -> Decision:
+        if self.draining:
+            return Reject(reason=Reason.DRAINING, retry_after=1)
+        return decide(
+            head,
+            self.table,
+            self.settings,
+            feed=self.feed_state,
+            now=int(time.time()),
+            inflight=self.inflight,
+        )
+
+    def admit(self, conn: ClientConnection) -> bool:
+        """Admission of a new client connection; False when it was turned away."""
+        if self.allowed_clients and not _in_networks(conn.peer, self.allowed_clients):
+            assert conn.transport is not None
+            conn.transport.abort()
+            return False
+        if len(self.connections) >= self.config.listen.max_connections or self.draining:
+            conn.overloaded = True
+        self.connections.add(conn)
+        return True
+
+    def release_connection(self, conn: ClientConnection) -> None:
+        self.connections.discard(conn)
+
+    # -- live exchanges and revocation ----------------------------------------------------------
+    def register(self, item: Live) -> None:
+        sandbox_id = _sandbox_of(item)
+        if sandbox_id is None:
+            return
+        self.live.setdefault(sandbox_id, set()).add(item)
+        self.inflight[sandbox_id] = self.inflight.get(sandbox_id, 0) + 1
+
+    def unregister(self, item: Live) -> None:
+        sandbox_id = _sandbox_of(item)
+        if sandbox_id is None:
+            return
+        items = self.live.get(sandbox_id)
+        if items is None or item not in items:
+            return
+        items.discard(item)
+        count = self.inflight.get(sandbox_id, 1) - 1
+        if items:
+            self.inflight[sandbox_id] = count
+        else:
+            del self.live[sandbox_id]
+            self.inflight.pop(sandbox_id, None)
+
+    def revoke(self, sandbox_ids: frozenset[str]) -> int:
+        ended = 0
+        for sandbox_id in sandbox_ids:
+            self.pool.purge(sandbox_id)
+            for item in list(self.live.get(sandbox_id, ())):
+                item.revoke()
+                ended += 1
+        self.observer.revoked(sandbox_ids, ended)
+        return ended
+
+    # -- route feed sink ------------------------------------------------------------------------
+    def install_routes(self, routes: dict[str, Route], source: str) -> None:
+        table, revoked = self.table.replace(routes)
+        self.table = table
+        if not self.feed_state.ready or self.feed_state.stale:
+            self.feed_state = FeedState(ready=True, stale=False)
+            log.info("route table ready: %d route(s) from %s", len(table), source)
+        if revoked:
+            self.revoke(revoked)
+
+    def reject_routes(self, errors: list[RouteError], source: str) -> None:
+        self.observer.rejected_routes(source, errors)
+
+    def feed_failed(self, source: str, message: str) -> None:
+        self.observer.feed_error(source, message)
+
+    # -- tasks ----------------------------------------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.timers.sweep()
+            self.pool.sweep()
+
+    # -- start and stop ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        listen = self.config.listen
+        if listen.tls_cert:
+            self.tls = ReloadableContext(
+                str(self.config.path(listen.tls_cert)), str(self.config.path(listen.tls_key))
+            )
+        tls = self.tls is not None
+        for address in listen.addresses:
+            parsed = split_address(address)
+            assert parsed is not None
+            host, port = parsed
+            server = await loop.create_server(
+                lambda: ClientConnection(self, tls=tls),
+                host,
+                port,
+                ssl=self.tls.listener if self.tls else None,
+                reuse_address=True,
+                reuse_port=self.config.process.workers > 1,
+                backlog=4096,
+            )
+            self._servers.append(server)
+            for sock in server.sockets:
+                name = sock.getsockname()
+                self.bound.append((name[0], name[1]))
+        self.spawn(self.feed.run())
+        self.spawn(self._sweeper())
+        await self._start_admin()
+        log.info(
+            "relay listening on %s (admin %s)",
+            ", ".join(f"{h}:{p}" for h, p in self.bound),
+            self.admin_bound,
+        )
+
+    async def _start_admin(self) -> None:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        parsed = split_address(self.config.admin.address)
+        assert parsed is not None
+        site = web.TCPSite(runner, parsed[0], parsed[1], reuse_address=True)
+        await site.start()
+        self._admin = runner
+        server = site._server
+        if server is not None and server.sockets:  # type: ignore[attr-defined]
+            name = server.sockets[0].getsockname()  # type: ignore[attr-defined]
+            self.admin_bound = (name[0], name[1])
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def ready(self) -> bool:
+        return self.feed_state.ready and not self.feed_state.stale and not self.draining
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        body = {
+            "ready": self.ready(),
+            "routes": len(self.table),
+            "stale": self.feed_state.stale,
+            "draining": self.draining,
+        }
+        return web.json_response(body, status=200 if self.ready() else 503)
+
+    def reload(self) -> None:
+        """SIGHUP: the routes file and the TLS certificate, without dropping connections."""
+        log.info("reload requested")
+        self.feed.load()
+        if self.tls is not None:
+            try:
+                self.tls.reload()
+            except (OSError, ValueError) as exc:
+                log.error("TLS reload failed, keeping the current certificate: %s", exc)
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+        for item in [i for items in self.live.values() for i in items]:
+            item.revoke()
+        for conn in list(self.connections):
+            conn.close()
+        self.pool.close_all()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._admin is not None:
+            await self._admin.cleanup()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+
+
+def _sandbox_of(item: Live) -> str | None:
+    decision = item.decision
+    if isinstance(decision, Forward) and decision.target is not None:
+        return decision.target.sandbox_id
+    return None
+
+
+def _in_networks(
+    peer: str, nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+) -> bool:
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(ip in net for net in nets)
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGTERM or SIGINT; SIGHUP reloads."""
+    relay = Relay(config)
+    await relay.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, relay.reload)
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping")
+        relay.draining = True
+        await relay.stop()

@@ -1,0 +1,393 @@
+"""The client side: an HTTP/1.1 server protocol per accepted connection, framed by llhttp.
+
+relay parses requests with ``httptools`` (llhttp, the parser of Node.js) on a plain asyncio
+protocol instead of aiohttp's ``web.Server``: the whole request path (parse → decide →
+forward) then runs in a handful of callbacks with no task, no ``web.Request`` and no header
+multidict per request, and the connection's framing is entirely relay's to police
+(SPEC §5a). llhttp is strict by default: Content-Length with Transfer-Encoding, repeated
+Content-Length, obs-fold, bare CR/LF, NUL, whitespace before a colon and bad chunk syntax are
+all parse errors, answered 400 and the connection closed.
+
+Flow per connection: ``data_received`` → llhttp → ``on_headers_complete`` makes a
+:class:`~relay.forward.Exchange` and, when no earlier exchange is still running, starts it.
+Pipelined requests (RFC 9112 §9.3.2) wait in a queue, reading is paused meanwhile, and they
+are answered in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+from relay.core.answers import reason_phrase, render, serialise_response
+from relay.core.model import Reason, Reject, RequestHead
+from relay.flow import PAUSE_QUEUE, PAUSE_UPGRADE
+from relay.forward import Exchange
+
+if TYPE_CHECKING:
+    from relay.runtime import Relay
+    from relay.websocket import Splice
+
+log = logging.getLogger("relay.server")
+
+
+class ClientConnection(asyncio.Protocol):
+    __slots__ = (
+        "_head_bytes",
+        "_head_raw",
+        "_headers",
+        "_in_head",
+        "_paused",
+        "_url",
+        "active",
+        "closing",
+        "overloaded",
+        "parser",
+        "peer",
+        "queue",
+        "receiving",
+        "relay",
+        "requests",
+        "splice",
+        "tls",
+        "transport",
+        "write_paused",
+    )
+
+    def __init__(self, relay: Relay, *, tls: bool) -> None:
+        self.relay = relay
+        self.tls = tls
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.parser: httptools.HttpRequestParser | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self._head_raw = 0
+        self._in_head = False
+        self._paused = 0
+        self.write_paused = False
+        self.active: Exchange | None = None  # the exchange whose response is being written
+        self.receiving: Exchange | None = None  # the exchange whose body is being parsed
+        self.queue: deque[Exchange] = deque()
+        self.splice: Splice | None = None
+        self.closing = False
+        self.overloaded = False
+        self.requests = 0
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast("asyncio.Transport", transport)
+        transport = self.transport
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else ""
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        relay = self.relay
+        if not relay.admit(self):
+            return
+        self.parser = httptools.HttpRequestParser(self)
+        relay.timers.expect_head(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.splice is not None:
+            self.splice.client_data(data)
+            return
+        parser = self.parser
+        if parser is None or self.closing:
+            return  # after an upgrade handshake or a refusal: nothing more is parsed
+        if self._in_head or self.active is None:
+            self._head_raw += len(data)
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            self.parser = None
+            self._upgrade_requested(data[upgrade.args[0] :])
+            return
+        except httptools.HttpParserError as exc:
+            self._parse_error(exc)
+            return
+        if self._in_head and self._head_raw > self.relay.config.listen.max_header_bytes:
+            self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+
+    def eof_received(self) -> bool:
+        # A client half-close ends the connection once the running response is written;
+        # HTTP/1.1 gives a half-closed client no way to send another request.
+        if self.active is None:
+            return False
+        self.closing = True
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.relay.timers.forget(self)
+        self.relay.release_connection(self)
+        if self.splice is not None:
+            self.splice.client_lost()
+        for exchange in (self.active, *self.queue):
+            if exchange is not None:
+                exchange.client_lost()
+        self.active = None
+        self.queue.clear()
+        self.parser = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.splice is not None:
+            self.splice.client_pause_writing()
+        elif self.active is not None:
+            self.active.client_pause_writing()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.splice is not None:
+            self.splice.client_resume_writing()
+        elif self.active is not None:
+            self.active.client_resume_writing()
+
+    # -- llhttp callbacks (request side) ------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._head_bytes = 0
+        self._in_head = True
+        if self.requests:
+            self._head_raw = 0
+            self.relay.timers.expect_head(self)  # SPEC §5a: from the first byte of a request
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:  # fields after the body are trailers: relay does not forward them
+            self._headers.append((name, value))
+            self._head_bytes += len(name) + len(value) + 4
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        assert parser is not None
+        self._in_head = False
+        self.requests += 1
+        self.relay.timers.head_done(self)
+        method = parser.get_method()
+        # SPEC §5a: the limit counts the request line and all header lines.
+        size = len(method) + len(self._url) + 12 + self._head_bytes
+        if size > self.relay.config.listen.max_header_bytes:
+            self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+            return
+        head = RequestHead(
+            method=method,
+            target=self._url,
+            version=parser.get_http_version(),
+            headers=tuple(self._headers),
+            peer=self.peer,
+            tls=self.tls,
+            upgrade=parser.should_upgrade(),
+        )
+        if self.overloaded:
+            # SPEC §5a: past listen.max_connections relay answers 503 and closes.
+            self.refuse(Reject(reason=Reason.OVERLOADED, retry_after=1))
+            return
+        exchange = Exchange(self, head, keep_alive=parser.should_keep_alive())
+        self.receiving = exchange
+        if self.active is None:
+            self.active = exchange
+            exchange.start()
+        else:
+            self.queue.append(exchange)
+            self.pause(PAUSE_QUEUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self.receiving is not None:
+            self.receiving.request_body(body)
+
+    def on_message_complete(self) -> None:
+        receiving, self.receiving = self.receiving, None
+        if receiving is not None:
+            receiving.request_done()
+
+    # -- flow control -------------------------------------------------------------------------
+    def pause(self, reason: int) -> None:
+        if not self._paused and self.transport is not None:
+            self.transport.pause_reading()
+        self._paused |= reason
+
+    def resume_all(self) -> None:
+        self._paused = 0
+        if self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
+    def resume(self, reason: int) -> None:
+        if not self._paused & reason:
+            return
+        self._paused &= ~reason
+        if not self._paused and self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
+    # -- called by exchanges --------------------------------------------------------------
+    def write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        if self.transport is not None:
+            self.transport.writelines(parts)
+
+    def exchange_finished(self, exchange: object, *, keep_alive: bool) -> None:
+        """The response of the active exchange is complete; start the next one or idle."""
+        if exchange is not self.active:
+            return
+        self.active = None
+        if not keep_alive or self.closing or self.parser is None:
+            self.close()
+            return
+        if self.queue:
+            self.active = self.queue.popleft()
+            if not self.queue:
+                self.resume(PAUSE_QUEUE)
+            self.active.start()
+            return
+        self.resume(PAUSE_QUEUE)
+        if not self._in_head:
+            self.relay.timers.expect_idle(self)
+
+    def exchange_cut(self, exchange: object) -> None:
+        """The active exchange ended without a clean end: the client must see it."""
+        if exchange is self.active:
+            self.active = None
+        self.close()
+
+    def refuse(self, reject: Reject, *, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Answer a request relay could not even parse or admit, then close."""
+        answer = render(reject, headers)
+        self.closing = True
+        self.relay.observer.refused(reject, self.peer)
+        self.write(
+            serialise_response(
+                answer.status,
+                reason_phrase(answer.status),
+                (
+                    *answer.headers,
+                    (b"Content-Length", str(len(answer.body)).encode()),
+                    (b"Connection", b"close"),
+                ),
+            )
+            + answer.body
+        )
+        self.close()
+
+    def close(self) -> None:
+        self.closing = True
+        self.parser = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+            self.relay.timers.close_deadline(self)
+
+    def abort(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def start_splice(self, splice: Splice) -> None:
+        self.splice = splice
+        self.active = None
+        self.relay.timers.forget(self)
+
+    # -- internals ------------------------------------------------------------------------
+    def _upgrade_requested(self, tail: bytes) -> None:
+        """llhttp stopped at an upgrade (WebSocket handshake, CONNECT, h2c...).
+
+        The parser cannot go on, so the connection either becomes a WebSocket splice or
+        closes after the answer; bytes already sent after the handshake wait for the splice.
+        """
+        exchange = self.queue[-1] if self.queue else self.active
+        if exchange is None or exchange.answered():
+            if exchange is None:
+                self.close()
+            self.closing = True
+            return
+        self.pause(PAUSE_UPGRADE)
+        exchange.client_tail(tail)
+
+    def _parse_error(self, exc: Exception) -> None:
+        if self.active is not None and self.active.response_started():
+            self.abort()  # a framing error mid-body: the exchange cannot be completed
+            return
+        detail = str(exc) or type(exc).__name__
+        if isinstance(exc, httptools.HttpParserInvalidMethodError):
+            detail = "Invalid HTTP method"
+        elif isinstance(exc, httptools.HttpParserInvalidURLError):
+            detail = "Invalid request target"
+        self.refuse(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
+
+
+class Timers:
+    """Header and idle deadlines for every client connection, swept by one periodic task.
+
+    Deadlines are kept in insertion-ordered dicts; since every entry of a dict gets the same
+    timeout, the oldest entries expire first and a sweep stops at the first live one. One
+    task scanning a few expired entries costs less than a ``TimerHandle`` per connection.
+    """
+
+    def __init__(self, header_timeout_s: float, idle_timeout_s: float) -> None:
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._head: dict[ClientConnection, float] = {}
+        self._idle: dict[ClientConnection, float] = {}
+        self._closing: dict[ClientConnection, float] = {}
+
+    def expect_head(self, conn: ClientConnection) -> None:
+        self._idle.pop(conn, None)
+        self._head.pop(conn, None)
+        self._head[conn] = time.monotonic() + self.header_timeout_s
+
+    def head_done(self, conn: ClientConnection) -> None:
+        self._head.pop(conn, None)
+
+    def expect_idle(self, conn: ClientConnection) -> None:
+        self._idle.pop(conn, None)
+        self._idle[conn] = time.monotonic() + self.idle_timeout_s
+
+    def close_deadline(self, conn: ClientConnection) -> None:
+        """A closing connection whose peer does not read gets aborted after a grace period."""
+        self._head.pop(conn, None)
+        self._idle.pop(conn, None)
+        self._closing[conn] = time.monotonic() + 5.0
+
+    def forget(self, conn: ClientConnection) -> None:
+        self._head.pop(conn, None)
+        self._idle.pop(conn, None)
+        self._closing.pop(conn, None)
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for conn in _expired(self._head, now):
+            if conn.active is None:
+                conn.refuse(
+                    Reject(reason=Reason.BAD_REQUEST, detail="Request header timeout")
+                ) if conn.requests == 0 and conn._head_raw else conn.close()
+            else:
+                conn.close()
+        for conn in _expired(self._idle, now):
+            conn.close()
+        for conn in _expired(self._closing, now):
+            conn.abort()
+
+
+def _expired(deadlines: dict[ClientConnection, float], now: float) -> list[ClientConnection]:
+    out = []
+    for conn, deadline in deadlines.items():
+        if deadline > now:
+            break
+        out.append(conn)
+    for conn in out:
+        del deadlines[conn]
+    return out

@@ -1,0 +1,240 @@
+"""Upstream connections: a raw asyncio protocol per TCP connection, pooled per destination.
+
+relay does not use an HTTP client library upstream. A pooled raw connection, with the request
+head written once and the response framed by llhttp (``httptools``), costs a fraction of the
+CPU of ``aiohttp.ClientSession`` per request (see ``bench/README.md``); the exchange that owns a
+connection (``relay.forward``) does the HTTP work.
+
+Pools are keyed by (sandbox id, generation, address, port) as E2B's orchestrator proxy keys
+them by sandbox lifecycle id: a guest address reused by another sandbox, or by a new execution
+of the same one, never inherits a connection of the old one (SPEC §4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+log = logging.getLogger("relay.upstream")
+
+# SPEC §4 / E2B's SandboxProxyRetries: envd's port forwarding can lag the route by up to 1 s.
+RETRY_DELAYS_S = (0.1, 0.2, 0.3, 0.4)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolKey:
+    sandbox_id: str  # "" for the management upstream
+    generation: int
+    address: str
+    port: int
+
+
+class Owner(Protocol):
+    """What an upstream connection reports to the exchange currently using it."""
+
+    def upstream_data(self, data: bytes) -> None: ...
+    def upstream_eof(self) -> None: ...
+    def upstream_lost(self, exc: Exception | None) -> None: ...
+    def upstream_pause_writing(self) -> None: ...
+    def upstream_resume_writing(self) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    __slots__ = ("closed", "idle_since", "key", "owner", "pool", "transport", "uses")
+
+    def __init__(self, pool: Pool, key: PoolKey) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.owner: Owner | None = None
+        self.idle_since = 0.0
+        self.closed = False
+        self.uses = 0
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast("asyncio.Transport", transport)
+        transport = self.transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.pool.opened += 1
+
+    def data_received(self, data: bytes) -> None:
+        if self.owner is not None:
+            self.owner.upstream_data(data)
+        else:
+            self.close()  # an idle connection must not talk: it cannot be reused safely
+
+    def eof_received(self) -> bool:
+        if self.owner is not None:
+            self.owner.upstream_eof()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        self.pool.opened -= 1
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            owner.upstream_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.owner is not None:
+            self.owner.upstream_pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.owner is not None:
+            self.owner.upstream_resume_writing()
+
+    # -- used by exchanges
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        assert self.transport is not None
+        self.transport.writelines(parts)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.closed = True
+            self.transport.abort()
+
+
+class DialError(Exception):
+    """The upstream could not be reached; ``refused`` when it actively refused."""
+
+    def __init__(self, message: str, *, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class Pool:
+    """Idle keep-alive connections per :class:`PoolKey`, reused last-in first-out."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 5.0,
+        idle_timeout_s: float = 630.0,
+        max_idle_per_key: int = 64,
+        source_address: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_idle_per_key = max_idle_per_key
+        self.source_address = source_address or None
+        self._clock = clock
+        self._idle: dict[PoolKey, list[UpstreamConnection]] = {}
+        self.opened = 0  # open upstream connections, idle or in use
+
+    def acquire(self, key: PoolKey) -> UpstreamConnection | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not idle:
+                del self._idle[key]
+            transport = conn.transport
+            if not conn.closed and transport is not None and not transport.is_closing():
+                conn.uses += 1
+                return conn
+            idle = self._idle.get(key)
+        return None
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """Return a connection whose last exchange ended cleanly."""
+        conn.owner = None
+        if conn.closed:
+            return
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) >= self.max_idle_per_key:
+            conn.close()
+            return
+        conn.idle_since = self._clock()
+        conn.resume_reading()  # an idle connection must see the upstream's EOF
+        idle.append(conn)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.key]
+
+    def purge(self, sandbox_id: str) -> int:
+        """Close every idle connection of a sandbox (all generations): it was revoked."""
+        keys = [k for k in self._idle if k.sandbox_id == sandbox_id]
+        closed = 0
+        for key in keys:
+            for conn in self._idle.pop(key):
+                conn.close()
+                closed += 1
+        return closed
+
+    def sweep(self) -> None:
+        """Close connections idle for longer than the upstream keep-alive timeout."""
+        cutoff = self._clock() - self.idle_timeout_s
+        for key in list(self._idle):
+            idle = self._idle[key]
+            expired = [c for c in idle if c.idle_since < cutoff]
+            for conn in expired:
+                idle.remove(conn)
+                conn.close()
+            if not idle:
+                del self._idle[key]
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    def close_all(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+    async def connect(self, key: PoolKey) -> UpstreamConnection:
+        """Dial, retrying a refused connect (SPEC §4); raises :class:`DialError`."""
+        loop = asyncio.get_running_loop()
+        local = (self.source_address, 0) if self.source_address else None
+        attempts = len(RETRY_DELAYS_S) + 1
+        for attempt in range(attempts):
+            try:
+                async with asyncio.timeout(self.connect_timeout_s):
+                    _, conn = await loop.create_connection(
+                        lambda: UpstreamConnection(self, key),
+                        key.address,
+                        key.port,
+                        local_addr=local,
+                    )
+                conn.uses = 1
+                return conn
+            except ConnectionRefusedError:
+                if attempt + 1 == attempts:
+                    raise DialError("connection refused", refused=True) from None
+                await asyncio.sleep(RETRY_DELAYS_S[attempt])
+            except TimeoutError:
+                raise DialError("connect timed out", refused=False) from None
+            except OSError as exc:
+                raise DialError(exc.strerror or type(exc).__name__, refused=False) from None
+        raise AssertionError("unreachable")
