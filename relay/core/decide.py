@@ -74,7 +74,11 @@ def body_framing(version: str, fields: dict[bytes, list[bytes]]) -> tuple[Framin
         return Framing.CHUNKED, 0
     cl = fields.get(b"content-length")
     if cl is not None:
-        length = int(cl[0])  # llhttp admits digits only and one distinct value
+        # llhttp already admits digits only and one value; checked again so that decide()
+        # is total on any input (RFC 9112 §6.3: an invalid length is unrecoverable).
+        if len(cl) != 1 or not cl[0].strip().isdigit() or len(cl[0].strip()) > 18:
+            return Reject(reason=Reason.BAD_REQUEST, detail="Invalid Content-Length")
+        length = int(cl[0])
         return (Framing.LENGTH, length) if length else (Framing.NONE, 0)
     return Framing.NONE, 0
 
@@ -163,7 +167,8 @@ def decide(
     if found is None:
         if not settings.management:
             return Reject(reason=Reason.NO_TARGET)
-        return _forward(head, Kind.MANAGEMENT, None, None, head.target, fields, rules, split)
+        path = _outbound_path(split, settings.strip)
+        return _forward(head, Kind.MANAGEMENT, None, None, path, fields, rules, split)
     # -- control port / control path
     if found.port in settings.denied_ports:
         return Reject(reason=Reason.CONTROL_PORT)
@@ -179,7 +184,7 @@ def decide(
     if route is None:
         return Reject(reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id)
     # -- credentials
-    path = head.target
+    path = _outbound_path(split, settings.strip)
     if is_envd:
         tokens = fields.get(headers.ACCESS_TOKEN)
         refused = auth.check_envd(
@@ -192,9 +197,6 @@ def decide(
             route,
             now,
         )
-        if settings.strip and split.raw_query is not None:
-            query = auth.strip_signature_params(split.raw_query)
-            path = split.raw_path + (b"?" + query if query else b"")
     else:
         refused = auth.check_traffic(fields.get(headers.TRAFFIC_TOKEN), route)
         # The traffic token is for relay alone and is removed in either credentials mode.
@@ -211,6 +213,17 @@ def decide(
         )
     kind = Kind.ENVD if is_envd else Kind.APP
     return _forward(head, kind, found, route, path, fields, rules, split)
+
+
+def _outbound_path(split: policy.SplitTarget, strip: bool) -> bytes:
+    """The request-target sent upstream: the client's raw bytes, in ``strip`` mode minus the
+    ``signature``/``signature_expiration`` pairs. They are removed on every port, not only
+    on envd's: a signed file URL is a bearer credential, and no credential reaches a guest
+    (SPEC §2). An app that wants a parameter literally named ``signature`` must rename it."""
+    if not strip or split.raw_query is None:
+        return split.raw_path + (b"?" + split.raw_query if split.raw_query is not None else b"")
+    query = auth.strip_signature_params(split.raw_query)
+    return split.raw_path + (b"?" + query if query else b"")
 
 
 def _forward(

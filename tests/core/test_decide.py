@@ -1,0 +1,352 @@
+"""decide(): the order of checks (SPEC §5a) and the properties that must always hold."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relay.core.decide import FeedState, Settings, decide
+from relay.core.headers import CREDENTIALS, HOP_BY_HOP
+from relay.core.model import Forward, Framing, Headers, Kind, Reason, Reject, RequestHead, Route
+from relay.core.policy import CONTROL_PATHS
+from relay.core.routes import RouteTable
+
+SETTINGS = Settings(domains=("e2b.test",), management=True)
+ROUTE = Route(
+    sandbox_id="sbx1",
+    address="10.0.0.5",
+    envd_token="envd-tok",
+    traffic_token="traffic-tok",
+    generation=3,
+)
+TABLE = RouteTable.of({"sbx1": ROUTE})
+ENVD_HOST = (b"Host", b"49983-sbx1.e2b.test")
+
+
+def head(
+    method: bytes = b"GET",
+    target: bytes = b"/",
+    headers: Headers = (ENVD_HOST,),
+    version: str = "1.1",
+    peer: str = "192.0.2.1",
+) -> RequestHead:
+    return RequestHead(method=method, target=target, version=version, headers=headers, peer=peer)
+
+
+def reason_of(decision: Forward | Reject) -> Reason | Kind:
+    return decision.reason if isinstance(decision, Reject) else decision.kind
+
+
+@pytest.mark.parametrize(
+    ("request_head", "expected"),
+    [
+        pytest.param(head(b"CONNECT", b"x:443"), Reason.CONNECT, id="connect"),
+        pytest.param(
+            head(b"CONNECT", b"/init", headers=((b"Host", b"a b"),)),
+            Reason.CONNECT,
+            id="connect-first",
+        ),
+        pytest.param(head(version="2.0"), Reason.BAD_VERSION, id="http2-text"),
+        pytest.param(
+            head(headers=(ENVD_HOST, (b"Transfer-Encoding", b"gzip, chunked"))),
+            Reason.BAD_TRANSFER_ENCODING,
+            id="te-gzip",
+        ),
+        pytest.param(head(headers=(ENVD_HOST, ENVD_HOST)), Reason.REPEATED_FIELD, id="two-hosts"),
+        pytest.param(
+            head(headers=(ENVD_HOST, (b"X-Access-Token", b"a"), (b"x-access-token", b"b"))),
+            Reason.REPEATED_FIELD,
+            id="two-tokens",
+        ),
+        pytest.param(
+            head(target=b"http://49983-sbx1.e2b.test/"), Reason.BAD_TARGET_FORM, id="absolute"
+        ),
+        pytest.param(head(target=b"/a%2Finit"), Reason.BAD_PATH, id="encoded-slash"),
+        pytest.param(
+            head(headers=(ENVD_HOST, (b"Upgrade", b"h2c"), (b"Connection", b"Upgrade"))),
+            Reason.BAD_UPGRADE,
+            id="h2c",
+        ),
+        pytest.param(
+            head(headers=((b"Host", b"0-sbx1.e2b.test"),)), Reason.BAD_HOST, id="port-zero"
+        ),
+        pytest.param(head(headers=()), Reason.BAD_HOST, id="no-host"),
+        pytest.param(
+            head(headers=((b"Host", b"50090-sbx1.e2b.test"),)),
+            Reason.CONTROL_PORT,
+            id="control-port",
+        ),
+        pytest.param(head(target=b"/init"), Reason.CONTROL_PATH, id="init"),
+        pytest.param(head(b"POST", b"//%69nit/"), Reason.CONTROL_PATH, id="init-encoded"),
+        pytest.param(
+            head(headers=((b"Host", b"49983-nope.e2b.test"),)), Reason.NOT_FOUND, id="no-route"
+        ),
+        pytest.param(head(target=b"/files"), Reason.ENVD_UNAUTHORIZED, id="no-credential"),
+        pytest.param(
+            head(headers=((b"Host", b"8080-sbx1.e2b.test"),)),
+            Reason.TRAFFIC_TOKEN_MISSING,
+            id="app-no-token",
+        ),
+        pytest.param(
+            head(headers=((b"Host", b"8080-sbx1.e2b.test"), (b"E2b-Traffic-Access-Token", b"x"))),
+            Reason.TRAFFIC_TOKEN_INVALID,
+            id="app-bad-token",
+        ),
+        pytest.param(
+            head(
+                headers=(
+                    (b"Host", b"8080-sbx1.e2b.test"),
+                    (b"E2b-Traffic-Access-Token", b"traffic-tok"),
+                )
+            ),
+            Kind.APP,
+            id="app-ok",
+        ),
+        pytest.param(
+            head(headers=(ENVD_HOST, (b"X-Access-Token", b"envd-tok"))), Kind.ENVD, id="envd-ok"
+        ),
+        pytest.param(head(target=b"/health"), Kind.ENVD, id="health-public"),
+        pytest.param(head(headers=((b"Host", b"api.e2b.test"),)), Kind.MANAGEMENT, id="management"),
+        pytest.param(
+            head(
+                headers=(
+                    (b"Host", b"localhost"),
+                    (b"E2b-Sandbox-Id", b"sbx1"),
+                    (b"E2b-Sandbox-Port", b"49983"),
+                    (b"X-Access-Token", b"envd-tok"),
+                )
+            ),
+            Kind.ENVD,
+            id="header-form",
+        ),
+    ],
+)
+def test_decision_table(request_head: RequestHead, expected: Reason | Kind) -> None:
+    assert reason_of(decide(request_head, TABLE, SETTINGS)) == expected
+
+
+def test_precedence_control_path_before_lookup() -> None:
+    # A control path is refused the same way whether or not the sandbox exists.
+    for host in (b"49983-sbx1.e2b.test", b"49983-nope.e2b.test"):
+        result = decide(head(target=b"/init", headers=((b"Host", host),)), TABLE, SETTINGS)
+        assert isinstance(result, Reject)
+        assert result.reason is Reason.CONTROL_PATH
+        assert result.path == "/init"
+        assert result.sandbox_id is None
+
+
+def test_no_management_upstream_is_404() -> None:
+    result = decide(
+        head(headers=((b"Host", b"api.e2b.test"),)), TABLE, Settings(domains=("e2b.test",))
+    )
+    assert reason_of(result) is Reason.NO_TARGET
+
+
+@pytest.mark.parametrize(
+    ("feed", "reason"),
+    [(FeedState(ready=False), Reason.NOT_READY), (FeedState(stale=True), Reason.STALE)],
+)
+def test_feed_state_is_503_with_retry_after(feed: FeedState, reason: Reason) -> None:
+    result = decide(head(target=b"/health"), TABLE, SETTINGS, feed=feed)
+    assert isinstance(result, Reject)
+    assert result.reason is reason
+    assert result.status == 503
+    assert result.retry_after
+
+
+def test_sandbox_limit() -> None:
+    limited = RouteTable.of(
+        {"sbx1": Route(sandbox_id="sbx1", address="10.0.0.5", insecure=True, max_connections=2)}
+    )
+    ok = decide(head(), limited, SETTINGS, inflight={"sbx1": 1})
+    assert isinstance(ok, Forward)
+    refused = decide(head(), limited, SETTINGS, inflight={"sbx1": 2})
+    assert isinstance(refused, Reject)
+    assert refused.status == 429
+    assert refused.message == "The sandbox has too many concurrent incoming connections (limit: 2)"
+
+
+def test_strip_mode_forwards_without_credentials_and_signature() -> None:
+    from relay.core.auth import file_signature
+
+    sig = urllib.parse.quote(file_signature("/a", "read", "", "envd-tok", None), safe="")
+    target = f"/files?path=%2Fa&signature={sig}&x=1".encode()
+    result = decide(head(target=target), TABLE, SETTINGS)
+    assert isinstance(result, Forward)
+    assert result.path == b"/files?path=%2Fa&x=1"
+    assert result.framing is Framing.NONE
+
+
+def test_forward_mode_keeps_credentials() -> None:
+    forward = Settings(domains=("e2b.test",), strip=False)
+    result = decide(head(headers=(ENVD_HOST, (b"X-Access-Token", b"envd-tok"))), TABLE, forward)
+    assert isinstance(result, Forward)
+    assert (b"X-Access-Token", b"envd-tok") in result.headers
+
+
+def test_hop_by_hop_and_connection_named_fields_are_dropped() -> None:
+    fields = (
+        ENVD_HOST,
+        (b"X-Access-Token", b"envd-tok"),
+        (b"Connection", b"keep-alive, X-Secret-Hop"),
+        (b"X-Secret-Hop", b"1"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"TE", b"trailers"),
+        (b"Authorization", b"Basic dXNlcjo="),
+        (b"User-Agent", b"connectrpc/0.11.1"),
+        (b"X-Forwarded-For", b"1.2.3.4"),
+        (b"Content-Length", b"3"),
+    )
+    result = decide(head(b"POST", b"/process.Process/List", fields), TABLE, SETTINGS)
+    assert isinstance(result, Forward)
+    names = [n.lower() for n, _ in result.headers]
+    assert names == [b"host", b"authorization", b"user-agent", b"content-length"]
+    assert result.headers[-1] == (b"Content-Length", b"3")
+
+
+def test_trusted_proxy_sets_x_forwarded() -> None:
+    import ipaddress
+
+    trusted = Settings(
+        domains=("e2b.test",), trusted_proxies=(ipaddress.ip_network("192.0.2.0/24"),)
+    )
+    fields = (ENVD_HOST, (b"X-Access-Token", b"envd-tok"), (b"X-Forwarded-For", b"203.0.113.9"))
+    result = decide(head(headers=fields), TABLE, trusted)
+    assert isinstance(result, Forward)
+    assert (b"X-Forwarded-For", b"203.0.113.9, 192.0.2.1") in result.headers
+    assert (b"X-Forwarded-Proto", b"http") in result.headers
+
+
+def test_websocket_upgrade_is_forwarded_with_upgrade_fields() -> None:
+    fields = (
+        (b"Host", b"8080-sbx1.e2b.test"),
+        (b"E2b-Traffic-Access-Token", b"traffic-tok"),
+        (b"Connection", b"Upgrade"),
+        (b"Upgrade", b"websocket"),
+        (b"Sec-WebSocket-Key", b"dGhlIHNhbXBsZSBub25jZQ=="),
+    )
+    result = decide(head(headers=fields), TABLE, SETTINGS)
+    assert isinstance(result, Forward)
+    assert result.websocket
+    assert result.headers[-2:] == ((b"Connection", b"Upgrade"), (b"Upgrade", b"websocket"))
+    assert all(n.lower() != b"e2b-traffic-access-token" for n, _ in result.headers)
+
+
+# -- properties -----------------------------------------------------------------------------
+
+names = st.sampled_from(
+    [
+        b"X-Access-Token",
+        b"x-access-token",
+        b"E2B-TRAFFIC-ACCESS-TOKEN",
+        b"e2b-traffic-access-token",
+        b"Authorization",
+        b"Host",
+        b"E2b-Sandbox-Id",
+        b"E2b-Sandbox-Port",
+        b"Connection",
+        b"Upgrade",
+        b"Content-Length",
+        b"Transfer-Encoding",
+        b"X-Other",
+        b"Cookie",
+    ]
+)
+values = st.one_of(
+    st.sampled_from(
+        [
+            b"envd-tok",
+            b"traffic-tok",
+            b"sbx1",
+            b"49983",
+            b"8080",
+            b"chunked",
+            b"5",
+            b"x-access-token",
+            b"upgrade",
+            b"websocket",
+            b"49983-sbx1.e2b.test",
+        ]
+    ),
+    st.binary(max_size=12),
+)
+query_keys = st.sampled_from(
+    ["signature", "signature_expiration", "path", "username", "x", "SIGNATURE", "sig%6eature"]
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> RequestHead:
+    headers = tuple(draw(st.lists(st.tuples(names, values), max_size=8)))
+    host = draw(
+        st.sampled_from(
+            [b"49983-sbx1.e2b.test", b"8080-sbx1.e2b.test", b"localhost", b"api.e2b.test"]
+        )
+    )
+    query = "&".join(
+        f"{k}={urllib.parse.quote(draw(st.text(max_size=8)), safe='')}"
+        for k in draw(st.lists(query_keys, max_size=5))
+    )
+    path = draw(st.sampled_from(["/files", "/health", "/process.Process/Start", "/"]))
+    target = (path + ("?" + query if query else "")).encode()
+    method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"HEAD"]))
+    return head(method, target, ((b"Host", host), *headers))
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(requests())
+def test_no_credential_reaches_the_upstream_in_strip_mode(request_head: RequestHead) -> None:
+    insecure = RouteTable.of({"sbx1": Route(sandbox_id="sbx1", address="10.0.0.5", insecure=True)})
+    for table in (TABLE, insecure):
+        result = decide(request_head, table, SETTINGS)
+        if not isinstance(result, Forward):
+            continue
+        for name, _ in result.headers:
+            assert name.lower() not in CREDENTIALS
+        query = result.path.partition(b"?")[2]
+        for pair in query.split(b"&"):
+            key = urllib.parse.unquote_to_bytes(pair.partition(b"=")[0]).lower()
+            assert key not in (b"signature", b"signature_expiration")
+        names_out = [n.lower() for n, _ in result.headers]
+        assert not set(names_out) & (HOP_BY_HOP - {b"content-length", b"connection", b"upgrade"})
+
+
+segments = st.sampled_from(["", ".", "..", "a", "%2e", "%2E%2e", "init", "%69nit", "INIT", "%252e"])
+
+
+def independent_clean(raw: str) -> str:
+    """Decode once and clean with the standard library, as a cross-check of policy.py."""
+    import posixpath
+
+    decoded = urllib.parse.unquote_to_bytes(raw.partition("?")[0]).decode("latin-1")
+    cleaned = posixpath.normpath(decoded)
+    return "/" + cleaned.lstrip("/") if cleaned.startswith("//") else cleaned
+
+
+@settings(max_examples=500)
+@given(
+    prefix=st.lists(segments, max_size=5),
+    control=st.sampled_from(sorted(CONTROL_PATHS)),
+    encode_at=st.integers(min_value=0, max_value=8),
+    suffix=st.sampled_from(["", "/", "/.", "//", "?x=1", "/..", "/../init"]),
+    method=st.sampled_from([b"GET", b"POST", b"DELETE", b"OPTIONS", b"PATCH"]),
+    host=st.sampled_from([b"49983-sbx1.e2b.test", b"49983-ghost.e2b.test"]),
+)
+def test_any_path_cleaning_to_a_control_path_is_refused_before_the_lookup(
+    prefix: list[str], control: str, encode_at: int, suffix: str, method: bytes, host: bytes
+) -> None:
+    name = control[1:]
+    if encode_at < len(name):
+        name = name[:encode_at] + f"%{ord(name[encode_at]):02X}" + name[encode_at + 1 :]
+    raw = "/" + "/".join([*prefix, name]) + suffix
+    request_head = head(method, raw.encode(), ((b"Host", host), (b"X-Access-Token", b"envd-tok")))
+    result = decide(request_head, TABLE, SETTINGS)
+    if independent_clean(raw) in CONTROL_PATHS:
+        assert isinstance(result, Reject), raw
+        assert result.reason is Reason.CONTROL_PATH, (raw, result)
+        assert result.sandbox_id is None
+    else:
+        assert not (isinstance(result, Reject) and result.reason is Reason.CONTROL_PATH), raw

@@ -1,0 +1,99 @@
+"""Stream boundaries: Connect envelopes and WebSocket frames (relay.core.streams)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relay.core.streams import EnvelopeTracker, FrameTracker, close_frame, end_stream_frame
+
+
+def envelope(payload: bytes, flags: int = 0) -> bytes:
+    return bytes([flags]) + len(payload).to_bytes(4, "big") + payload
+
+
+def test_end_stream_frame_is_a_connect_end_envelope() -> None:
+    frame = end_stream_frame("abc")
+    assert frame[0] == 0x02
+    body = json.loads(frame[5:])
+    assert int.from_bytes(frame[1:5], "big") == len(frame) - 5
+    assert body == {
+        "error": {
+            "code": "unavailable",
+            "message": "the connection to sandbox abc ended before the stream completed",
+        }
+    }
+
+
+@given(
+    payloads=st.lists(st.binary(max_size=40), max_size=6),
+    cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=6),
+)
+def test_envelopes_are_released_whole_and_in_order(payloads: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(envelope(p) for p in payloads)
+    points = sorted({c for c in cuts if c < len(stream)} | {0, len(stream)})
+    tracker = EnvelopeTracker()
+    released = b""
+    for a, b in itertools.pairwise(points):
+        released += tracker.feed(stream[a:b])
+        # whatever was released so far is a whole number of envelopes
+        pos = 0
+        while pos < len(released):
+            pos += 5 + int.from_bytes(released[pos + 1 : pos + 5], "big")
+        assert pos == len(released)
+    assert released == stream
+    assert tracker.at_boundary
+
+
+def test_large_envelope_streams_through() -> None:
+    tracker = EnvelopeTracker(hold_limit=16)
+    big = envelope(b"x" * 100)
+    assert tracker.feed(big[:50]) == big[:50]
+    assert not tracker.at_boundary
+    assert tracker.feed(big[50:] + envelope(b"y")[:3]) == big[50:]
+    assert not tracker.at_boundary
+    assert tracker.feed(envelope(b"y")[3:]) == envelope(b"y")
+    assert tracker.at_boundary
+
+
+def test_upstream_end_frame_is_noticed() -> None:
+    tracker = EnvelopeTracker()
+    tracker.feed(envelope(b"{}", flags=2))
+    assert tracker.ended
+
+
+def ws_frame(payload: bytes, mask: bool) -> bytes:
+    n = len(payload)
+    if n < 126:
+        head = bytes([0x82, (0x80 if mask else 0) | n])
+    elif n < 65536:
+        head = bytes([0x82, (0x80 if mask else 0) | 126]) + n.to_bytes(2, "big")
+    else:
+        head = bytes([0x82, (0x80 if mask else 0) | 127]) + n.to_bytes(8, "big")
+    return head + (b"abcd" if mask else b"") + payload
+
+
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 125, 126, 300, 65535, 65536]), max_size=5),
+    mask=st.booleans(),
+    step=st.integers(min_value=1, max_value=70000),
+)
+def test_frame_tracker_finds_boundaries(sizes: list[int], mask: bool, step: int) -> None:
+    stream = b"".join(ws_frame(b"p" * n, mask) for n in sizes)
+    tracker = FrameTracker()
+    for i in range(0, len(stream), step):
+        tracker.feed(stream[i : i + step])
+    assert tracker.at_boundary
+    if stream:
+        tracker.feed(stream[:1])
+        assert not tracker.at_boundary
+
+
+def test_close_frames() -> None:
+    assert close_frame(1001) == b"\x88\x02\x03\xe9"
+    masked = close_frame(1001, mask=b"\x01\x02\x03\x04")
+    assert masked[:2] == b"\x88\x82"
+    assert bytes(b ^ k for b, k in zip(masked[6:], b"\x01\x02", strict=True)) == b"\x03\xe9"

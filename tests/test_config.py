@@ -1,0 +1,81 @@
+"""Strict configuration (SPEC §6): unknown keys and wrong types name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relay.__main__ import main, redacted
+from relay.config import ConfigError, load, parse
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_embedded_default_config_loads() -> None:
+    config = load(ROOT / "config" / "relay.toml")
+    assert config.listen.addresses == ["127.0.0.1:8080"]
+    assert config.path(config.routes.file) == ROOT / "config" / "routes.json"
+    assert config.settings().strip
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"listen": {"adress": "x"}}, "listen.adress"),
+        ({"listen": {"max_connections": "10"}}, "listen.max_connections"),
+        ({"listen": {"max_connections": True}}, "listen.max_connections"),
+        ({"listen": {"address": 8080}}, "listen.address"),
+        ({"listen": {"address": "nohostport"}}, "listen.address[0]"),
+        ({"listen": {"tls_cert": "a.pem"}}, "listen.tls_key"),
+        ({"listen": {"trusted_proxies": ["nope"]}}, "listen.trusted_proxies[0]"),
+        ({"upstream": {"credentials": "maybe"}}, "upstream.credentials"),
+        ({"upstream": {"denied_ports": [0]}}, "upstream.denied_ports[0]"),
+        ({"upstream": {"denied_ports": ["1"]}}, "upstream.denied_ports[0]"),
+        ({"upstream": {"source_address": "nope"}}, "upstream.source_address"),
+        ({"routes": {"source": "etcd"}}, "routes.source"),
+        ({"routes": {"source": "redis"}}, "routes.redis_url"),
+        ({"management": {"upstream": "https://x"}}, "management.upstream"),
+        ({"process": {"workers": 0}}, "process.workers"),
+        ({"nosuch": {}}, "nosuch"),
+        ({"listen": []}, "listen"),
+    ],
+)
+def test_bad_config_names_the_key(data: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(data)
+    assert str(info.value).startswith(key + ":")
+
+
+def test_ints_are_accepted_as_floats() -> None:
+    config = parse({"listen": {"header_timeout_s": 3}})
+    assert config.listen.header_timeout_s == 3.0
+
+
+def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(
+        '[routes]\nsource = "redis"\nredis_url = "redis://relay:s3cret@127.0.0.1:6379/0"\n'
+    )
+    assert main(["check-config", "--config", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out
+    assert "<redacted>" in out
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[listen]\nmax_connections = 'many'\n")
+    assert main(["check-config", "--config", str(bad)]) == 2
+    assert "listen.max_connections" in capsys.readouterr().err
+
+
+def test_redacted_keeps_non_secrets() -> None:
+    config = parse({"routes": {"redis_url": "redis://127.0.0.1:6379"}})
+    assert redacted(config)["routes"]["redis_url"] == "redis://127.0.0.1:6379"
+
+
+def test_cli_version() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "--version"], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.startswith("relay ")
