@@ -1,0 +1,211 @@
+"""Start relay for a test: in-process (fast, inspectable) or as a subprocess (real daemon).
+
+In-process relays run on the test's own event loop; subprocess relays are the real
+``relay serve`` with a TOML file and a routes file written into the test's temp dir.
+Both bind 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relay.config import Config, parse
+from relay.runtime import Relay
+
+DOMAIN = "e2b.test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def route(sandbox_id: str, port_address: str = "127.0.0.1", **fields: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"sandbox_id": sandbox_id, "address": port_address}
+    out.update(fields)
+    return out
+
+
+def write_routes(path: Path, routes: list[dict[str, Any]]) -> None:
+    """Atomic replace, as a control plane should do it."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"routes": routes}))
+    os.replace(tmp, path)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(type(value))
+
+
+def to_toml(data: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def config_data(
+    tmp_path: Path, overrides: dict[str, dict[str, Any]] | None = None, *, port: int = 0
+) -> dict[str, dict[str, Any]]:
+    data: dict[str, dict[str, Any]] = {
+        "listen": {"address": f"127.0.0.1:{port}", "header_timeout_s": 5},
+        "admin": {"address": "127.0.0.1:0"},
+        "routing": {"domains": [DOMAIN]},
+        "routes": {"file": str(tmp_path / "routes.json"), "poll_interval_s": 0.1},
+    }
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return data
+
+
+@dataclass
+class RelayUnderTest:
+    relay: Relay
+    routes_file: Path
+
+    @property
+    def port(self) -> int:
+        return self.relay.bound[0][1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set_routes(self, routes: list[dict[str, Any]]) -> None:
+        write_routes(self.routes_file, routes)
+        self.relay.feed.load()  # do not wait for the next poll
+
+
+@contextlib.asynccontextmanager
+async def running_relay(
+    tmp_path: Path,
+    routes: list[dict[str, Any]],
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> AsyncIterator[RelayUnderTest]:
+    routes_file = tmp_path / "routes.json"
+    write_routes(routes_file, routes)
+    config: Config = parse(config_data(tmp_path, overrides), base_dir=tmp_path)
+    relay = Relay(config)
+    await relay.start()
+    try:
+        for _ in range(100):
+            if relay.feed_state.ready:
+                break
+            await asyncio.sleep(0.01)
+        yield RelayUnderTest(relay, routes_file)
+    finally:
+        await relay.stop()
+
+
+@dataclass
+class RelayProcess:
+    """``relay serve`` in a subprocess; output goes to files in the temp dir."""
+
+    tmp_path: Path
+    routes: list[dict[str, Any]]
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    port: int = 0
+    admin_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def routes_file(self) -> Path:
+        return self.tmp_path / "routes.json"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.port = self.port or free_port()
+        self.admin_port = self.admin_port or free_port()
+        data = config_data(self.tmp_path, self.overrides, port=self.port)
+        data["admin"]["address"] = f"127.0.0.1:{self.admin_port}"
+        write_routes(self.routes_file, self.routes)
+        config = self.tmp_path / "relay.toml"
+        config.write_text(to_toml(data))
+        self.stdout = (self.tmp_path / "relay.stdout").open("wb")
+        self.stderr = (self.tmp_path / "relay.stderr").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relay", "serve", "--config", str(config)],
+            stdout=self.stdout,
+            stderr=self.stderr,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"relay exited: {self.output()}")
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.admin_port), 0.2) as s,
+            ):
+                s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if s.recv(100).startswith(b"HTTP/1.1 200"):
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"relay not ready: {self.output()}")
+
+    def rss_kib(self) -> int:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def output(self) -> str:
+        parts = []
+        for name in ("relay.stdout", "relay.stderr"):
+            path = self.tmp_path / name
+            if path.exists():
+                parts.append(path.read_text(errors="replace"))
+        return "\n".join(parts)
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stdout.close()
+        self.stderr.close()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def relay_process(
+    tmp_path: Path, routes: list[dict[str, Any]], overrides: dict[str, dict[str, Any]] | None = None
+) -> Iterator[RelayProcess]:
+    proc = RelayProcess(tmp_path, routes, overrides or {})
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()

@@ -1,0 +1,366 @@
+"""relay between real sockets: an HTTP client, relay, and an aiohttp upstream on loopback.
+
+Every test asserts on what reached the upstream as well as on what the client saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tests.support.harness import DOMAIN, RelayUnderTest, free_port, route, running_relay
+from tests.support.rawhttp import Connection, request, request_bytes
+
+
+@dataclass
+class Seen:
+    method: str
+    path_qs: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    peer_port: int
+
+
+@dataclass
+class Upstream:
+    server: TestServer
+    seen: list[Seen] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        port = self.server.port
+        assert port is not None
+        return port
+
+
+async def _record(request: web.Request, upstream: Upstream) -> Seen:
+    body = await request.read()
+    peer = request.transport.get_extra_info("peername") if request.transport else ("", 0)
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers]
+    seen = Seen(request.method, request.path_qs, headers, body, peer[1])
+    upstream.seen.append(seen)
+    return seen
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    holder: list[Upstream] = []
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        seen = await _record(request, holder[0])
+        if request.path == "/status/204":
+            return web.Response(status=204)
+        if request.path == "/stream":
+            response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+            await response.prepare(request)
+            for i in range(int(request.query.get("n", "5"))):
+                await response.write(f"event {i}\n".encode())
+                await asyncio.sleep(float(request.query.get("interval", "0.05")))
+            await response.write_eof()
+            return response
+        return web.json_response(
+            {"method": seen.method, "path": seen.path_qs, "body": seen.body.decode("latin-1")},
+            headers={"X-Upstream": "yes", "Connection": "keep-alive"},
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", echo)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    holder.append(Upstream(server))
+    yield holder[0]
+    await server.close()
+
+
+def app_host(port: int, sandbox: str = "sbx1") -> str:
+    return f"{port}-{sandbox}.{DOMAIN}"
+
+
+@pytest.fixture
+async def relay(tmp_path: Path, upstream: Upstream) -> AsyncIterator[RelayUnderTest]:
+    routes = [route("sbx1", envd_token="envd-secret", traffic_token="traffic-secret")]
+    async with running_relay(tmp_path, routes) as r:
+        yield r
+
+
+async def test_get_through_an_app_port(relay: RelayUnderTest, upstream: Upstream) -> None:
+    response = await request(
+        relay.port,
+        "GET",
+        "/hello?x=1",
+        app_host(upstream.port),
+        [
+            ("E2b-Traffic-Access-Token", "traffic-secret"),
+            ("X-Access-Token", "envd-secret"),
+            ("X-Forwarded-For", "6.6.6.6"),
+            ("Connection", "keep-alive, X-Hop"),
+            ("X-Hop", "1"),
+            ("User-Agent", "test/1"),
+        ],
+    )
+    assert response.status == 200
+    assert response.json() == {"method": "GET", "path": "/hello?x=1", "body": ""}
+    assert response.header("X-Upstream") == "yes"
+    (seen,) = upstream.seen
+    names = {name.lower() for name, _ in seen.headers}
+    assert "e2b-traffic-access-token" not in names
+    assert "x-access-token" not in names
+    assert "x-forwarded-for" not in names
+    assert "x-hop" not in names
+    assert ("Host", app_host(upstream.port)) in seen.headers
+    assert ("User-Agent", "test/1") in seen.headers
+
+
+async def test_traffic_token_required(relay: RelayUnderTest, upstream: Upstream) -> None:
+    missing = await request(relay.port, "GET", "/", app_host(upstream.port))
+    assert missing.status == 403
+    assert "is missing" in str(missing.json())
+    wrong = await request(
+        relay.port, "GET", "/", app_host(upstream.port), [("E2b-Traffic-Access-Token", "nope")]
+    )
+    assert wrong.status == 403
+    assert "is invalid" in str(wrong.json())
+    assert upstream.seen == []
+
+
+async def test_keep_alive_reuses_one_upstream_connection(
+    relay: RelayUnderTest, upstream: Upstream
+) -> None:
+    conn = await Connection.open(relay.port)
+    token = [("E2b-Traffic-Access-Token", "traffic-secret")]
+    for i in range(3):
+        await conn.send(request_bytes("GET", f"/{i}", app_host(upstream.port), token))
+        response = await conn.read_response()
+        assert response.status == 200
+    await conn.close()
+    assert [s.path_qs for s in upstream.seen] == ["/0", "/1", "/2"]
+    assert len({s.peer_port for s in upstream.seen}) == 1
+
+
+async def test_pipelined_requests_are_answered_in_order(
+    relay: RelayUnderTest, upstream: Upstream
+) -> None:
+    conn = await Connection.open(relay.port)
+    token = [("E2b-Traffic-Access-Token", "traffic-secret")]
+    batch = b"".join(
+        request_bytes("POST", f"/p{i}", app_host(upstream.port), token, body=f"body{i}".encode())
+        for i in range(3)
+    )
+    await conn.send(batch)
+    bodies = [(await conn.read_response()).json() for _ in range(3)]
+    await conn.close()
+    assert [b["path"] for b in bodies] == ["/p0", "/p1", "/p2"]  # type: ignore[index]
+    assert [s.body for s in upstream.seen] == [b"body0", b"body1", b"body2"]
+
+
+async def test_chunked_upload_is_streamed_and_reframed(
+    relay: RelayUnderTest, upstream: Upstream
+) -> None:
+    conn = await Connection.open(relay.port)
+    head = request_bytes(
+        "POST",
+        "/upload",
+        app_host(upstream.port),
+        [("E2b-Traffic-Access-Token", "traffic-secret"), ("Transfer-Encoding", "chunked")],
+    )
+    await conn.send(head)
+    parts = [b"a" * 10, b"b" * 70000, b"c"]
+    for part in parts:
+        await conn.send(b"%x\r\n%s\r\n" % (len(part), part))
+        await asyncio.sleep(0.01)
+    await conn.send(b"0\r\n\r\n")
+    response = await conn.read_response()
+    await conn.close()
+    assert response.status == 200
+    assert upstream.seen[0].body == b"".join(parts)
+    assert ("Transfer-Encoding", "chunked") in upstream.seen[0].headers
+
+
+async def test_streamed_response_arrives_incrementally(
+    relay: RelayUnderTest, upstream: Upstream
+) -> None:
+    conn = await Connection.open(relay.port)
+    await conn.send(
+        request_bytes(
+            "GET",
+            "/stream?n=5&interval=0.2",
+            app_host(upstream.port),
+            [("E2b-Traffic-Access-Token", "traffic-secret")],
+        )
+    )
+    response = await conn.read_response(timeout=5)
+    await conn.close()
+    assert response.body == b"".join(f"event {i}\n".encode() for i in range(5))
+    times = [t for t, _ in response.chunks]
+    assert len(times) >= 4
+    assert times[-1] - times[0] > 0.6  # spread over the upstream's ~0.8 s, not one burst
+    assert response.header("Transfer-Encoding") == "chunked"
+
+
+async def test_head_and_204(relay: RelayUnderTest, upstream: Upstream) -> None:
+    token = [("E2b-Traffic-Access-Token", "traffic-secret")]
+    conn = await Connection.open(relay.port)
+    await conn.send(request_bytes("HEAD", "/x", app_host(upstream.port), token))
+    head = await conn.read_response(head=True)
+    assert head.status == 200
+    assert head.body == b""
+    await conn.send(request_bytes("GET", "/status/204", app_host(upstream.port), token))
+    no_content = await conn.read_response()
+    assert no_content.status == 204
+    await conn.send(request_bytes("GET", "/after", app_host(upstream.port), token))
+    after = await conn.read_response()
+    assert after.json() == {"method": "GET", "path": "/after", "body": ""}
+    await conn.close()
+
+
+async def test_expect_100_continue(relay: RelayUnderTest, upstream: Upstream) -> None:
+    conn = await Connection.open(relay.port)
+    await conn.send(
+        request_bytes(
+            "POST",
+            "/continue",
+            app_host(upstream.port),
+            [
+                ("E2b-Traffic-Access-Token", "traffic-secret"),
+                ("Expect", "100-continue"),
+                ("Content-Length", "5"),
+            ],
+        )
+    )
+    interim = await conn.read_response()
+    assert interim.status == 100
+    await conn.send(b"hello")
+    final = await conn.read_response()
+    await conn.close()
+    assert final.status == 200
+    assert upstream.seen[0].body == b"hello"
+
+
+async def test_dial_is_retried_while_the_port_opens(tmp_path: Path) -> None:
+    port = free_port()
+    async with running_relay(tmp_path, [route("late", insecure=True)]) as relay:
+        started = time.monotonic()
+        pending = asyncio.ensure_future(request(relay.port, "GET", "/", app_host(port, "late")))
+
+        async def hello(_request: web.Request) -> web.Response:
+            return web.Response(text="late but here")
+
+        await asyncio.sleep(0.25)
+        app = web.Application()
+        app.router.add_get("/", hello)
+        server = TestServer(app, host="127.0.0.1", port=port)
+        await server.start_server()
+        try:
+            response = await pending
+        finally:
+            await server.close()
+        assert response.status == 200
+        assert response.body == b"late but here"
+        assert time.monotonic() - started < 2
+
+
+async def test_closed_port_is_502_port_not_open(tmp_path: Path) -> None:
+    port = free_port()
+    async with running_relay(tmp_path, [route("sbx", insecure=True)]) as relay:
+        started = time.monotonic()
+        response = await request(relay.port, "GET", "/", app_host(port, "sbx"))
+        elapsed = time.monotonic() - started
+    assert response.status == 502
+    assert response.json() == {
+        "code": 502,
+        "message": "The sandbox is running but port is not open",
+        "sandboxId": "sbx",
+        "port": port,
+    }
+    assert 0.9 < elapsed < 3  # 5 tries, 100+200+300+400 ms apart
+
+
+async def test_unknown_sandbox_is_502_not_found(relay: RelayUnderTest) -> None:
+    response = await request(relay.port, "GET", "/health", f"49983-ghost.{DOMAIN}")
+    assert response.status == 502
+    assert response.json() == {
+        "code": 502,
+        "message": "The sandbox was not found",
+        "sandboxId": "ghost",
+    }
+
+
+async def test_management_upstream(tmp_path: Path, upstream: Upstream) -> None:
+    overrides = {"management": {"upstream": f"http://127.0.0.1:{upstream.port}"}}
+    async with running_relay(tmp_path, [], overrides) as relay:
+        response = await request(
+            relay.port,
+            "POST",
+            "/sandboxes/abc/connect",
+            f"api.{DOMAIN}",
+            [("X-API-Key", "e2b_key"), ("Content-Type", "application/json")],
+            body=b'{"timeout": 10}',
+        )
+    assert response.status == 200
+    (seen,) = upstream.seen
+    assert seen.path_qs == "/sandboxes/abc/connect"
+    assert ("X-API-Key", "e2b_key") in seen.headers
+    assert seen.body == b'{"timeout": 10}'
+
+
+async def test_per_sandbox_limit(tmp_path: Path, upstream: Upstream) -> None:
+    routes = [route("lim", insecure=True, max_connections=1)]
+    async with running_relay(tmp_path, routes) as relay:
+        slow = asyncio.ensure_future(
+            request(relay.port, "GET", "/stream?n=5&interval=0.1", app_host(upstream.port, "lim"))
+        )
+        await asyncio.sleep(0.2)
+        refused = await request(relay.port, "GET", "/", app_host(upstream.port, "lim"))
+        assert refused.status == 429
+        assert json.loads(refused.body)["message"] == (
+            "The sandbox has too many concurrent incoming connections (limit: 1)"
+        )
+        assert (await slow).status == 200
+        again = await request(relay.port, "GET", "/", app_host(upstream.port, "lim"))
+        assert again.status == 200
+
+
+async def test_new_generation_never_reuses_a_pooled_connection(
+    relay: RelayUnderTest, upstream: Upstream
+) -> None:
+    token = [("E2b-Traffic-Access-Token", "traffic-secret")]
+    await request(relay.port, "GET", "/a", app_host(upstream.port), token)
+    await request(relay.port, "GET", "/b", app_host(upstream.port), token)
+    relay.set_routes(
+        [route("sbx1", envd_token="envd-secret", traffic_token="traffic-secret", generation=2)]
+    )
+    await request(relay.port, "GET", "/c", app_host(upstream.port), token)
+    ports = [s.peer_port for s in upstream.seen]
+    assert ports[0] == ports[1]
+    assert ports[2] != ports[1]
+
+
+async def test_revoked_stream_is_truncated_within_a_second(
+    relay: RelayUnderTest, upstream: Upstream
+) -> None:
+    conn = await Connection.open(relay.port)
+    await conn.send(
+        request_bytes(
+            "GET",
+            "/stream?n=100&interval=0.05",
+            app_host(upstream.port),
+            [("E2b-Traffic-Access-Token", "traffic-secret")],
+        )
+    )
+    while not conn.partial.chunks:
+        assert await conn.pump(2)
+    relay.set_routes([])
+    revoked_at = time.monotonic()
+    while await conn.pump(1.5):
+        assert time.monotonic() - revoked_at < 1.0
+    assert time.monotonic() - revoked_at < 1.0
+    assert not conn.partial.complete  # no terminating chunk: the client sees the truncation
+    await conn.close()
