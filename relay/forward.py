@@ -454,8 +454,8 @@ class Exchange:
         if self._interim:
             self._interim = False
             return
-        if self.response_complete or self.state is not State.STREAMING:
-            return
+        if self.response_complete or self.state is not State.STREAMING or self.status == 101:
+            return  # a 101 continues in _upgraded(), once llhttp stops at the upgrade
         self.response_complete = True
         if self._client_framing is Framing.CHUNKED:
             self.client.write(LAST_CHUNK)

@@ -1,0 +1,171 @@
+"""Connect server streams through relay: per-event delivery and clean ends when cut.
+
+The upstream here emits Connect envelopes (``application/connect+json``) the way envd's
+``Process.Start`` does; the SDK-level checks against the fake envd live with the SDK tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from relay.core.streams import end_stream_frame
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.rawhttp import Connection, Response, request_bytes
+
+
+def envelope(payload: dict[str, object], flags: int = 0) -> bytes:
+    data = json.dumps(payload).encode()
+    return bytes([flags]) + len(data).to_bytes(4, "big") + data
+
+
+def decode(body: bytes) -> list[tuple[int, dict[str, object]]]:
+    out = []
+    pos = 0
+    while pos < len(body):
+        length = int.from_bytes(body[pos + 1 : pos + 5], "big")
+        out.append((body[pos], json.loads(body[pos + 5 : pos + 5 + length])))
+        pos += 5 + length
+    assert pos == len(body), "torn envelope"
+    return out
+
+
+@pytest.fixture
+async def emitter() -> AsyncIterator[TestServer]:
+    async def start(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        count = int(request.query.get("n", "20"))
+        interval = float(request.query.get("interval", "0.1"))
+        response = web.StreamResponse(headers={"Content-Type": "application/connect+json"})
+        await response.prepare(request)
+        await response.write(envelope({"event": {"start": {"pid": 42}}}))
+        for i in range(count):
+            await asyncio.sleep(interval)
+            await response.write(
+                envelope({"event": {"data": {"stdout": f"{i}", "t": time.monotonic()}}})
+            )
+            if request.query.get("break_after") == str(i):
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+        await response.write(envelope({"event": {"end": {"exited": True}}}))
+        await response.write(envelope({}, flags=2))
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/process.Process/Start", start)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def relay(tmp_path: Path, emitter: TestServer) -> AsyncIterator[RelayUnderTest]:
+    routes = [route("proc", envd_token="tok"), route("bystander", envd_token="tok2")]
+    overrides = {"upstream": {"envd_port": emitter.port}}
+    async with running_relay(tmp_path, routes, overrides) as r:
+        yield r
+
+
+async def open_stream(
+    relay: RelayUnderTest, emitter: TestServer, query: str, sandbox: str = "proc"
+) -> Connection:
+    conn = await Connection.open(relay.port)
+    body = envelope({"process": {"cmd": "/bin/bash", "args": ["-c", "seq 20"]}})
+    await conn.send(
+        request_bytes(
+            "POST",
+            f"/process.Process/Start?{query}",
+            f"{emitter.port}-{sandbox}.{DOMAIN}",
+            [
+                ("X-Access-Token", "tok" if sandbox == "proc" else "tok2"),
+                ("Content-Type", "application/connect+json"),
+                ("Connect-Protocol-Version", "1"),
+                ("Keepalive-Ping-Interval", "50"),
+                ("Transfer-Encoding", "chunked"),
+            ],
+        )
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    )
+    return conn
+
+
+async def read_events(conn: Connection, wanted: int, timeout: float) -> Response:
+    deadline = time.monotonic() + timeout
+    while len(conn.partial.chunks) < wanted and not conn.partial.complete:
+        assert time.monotonic() < deadline
+        if not await conn.pump(deadline - time.monotonic()):
+            break
+    return conn.partial
+
+
+async def test_events_arrive_while_the_upstream_is_producing(
+    relay: RelayUnderTest, emitter: TestServer
+) -> None:
+    conn = await open_stream(relay, emitter, "n=20&interval=0.1")
+    response = await conn.read_response(timeout=10)
+    await conn.close()
+    events = decode(response.body)
+    assert len(events) == 23  # start, 20 data, end, end-of-stream
+    # Each data event is stamped by the upstream when sent; compare with its arrival here.
+    arrivals = []
+    for arrived, chunk in response.chunks:
+        for flags, payload in decode(chunk):
+            data = payload.get("event", {})
+            if flags == 0 and isinstance(data, dict) and "data" in data:
+                arrivals.append((arrived, data["data"]["t"]))
+    assert len(arrivals) == 20
+    lags = [arrived - sent for arrived, sent in arrivals]
+    assert max(lags) < 0.05, lags  # no event waited for a later one
+    spread = arrivals[-1][0] - arrivals[0][0]
+    assert spread > 1.5  # they arrived over the ~2 s the upstream took
+
+
+async def test_upstream_break_ends_with_an_unavailable_frame(
+    relay: RelayUnderTest, emitter: TestServer
+) -> None:
+    conn = await open_stream(relay, emitter, "n=20&interval=0.02&break_after=3")
+    response = await conn.read_response(timeout=5)
+    events = decode(response.body)
+    assert events[-1] == (
+        2,
+        {
+            "error": {
+                "code": "unavailable",
+                "message": "the connection to sandbox proc ended before the stream completed",
+            }
+        },
+    )
+    assert len(events) == 1 + 4 + 1
+    # The client connection stays usable: the response ended well-formed.
+    await conn.send(request_bytes("GET", "/health", f"49983-ghost.{DOMAIN}"))
+    assert (await conn.read_response()).status == 502
+    await conn.close()
+
+
+async def test_route_removal_ends_the_stream_with_the_frame(
+    relay: RelayUnderTest, emitter: TestServer
+) -> None:
+    revoked = await open_stream(relay, emitter, "n=200&interval=0.05")
+    bystander = await open_stream(relay, emitter, "n=30&interval=0.05", sandbox="bystander")
+    await read_events(revoked, 3, 5)
+    relay.set_routes([route("bystander", envd_token="tok2")])
+    removed_at = time.monotonic()
+    response = await revoked.read_response(timeout=2)
+    assert time.monotonic() - removed_at < 1.0
+    assert response.complete
+    assert response.body.endswith(end_stream_frame("proc"))
+    decode(response.body)
+    other = await bystander.read_response(timeout=5)
+    assert decode(other.body)[-1] == (2, {})  # the other sandbox's stream ended normally
+    await revoked.close()
+    await bystander.close()

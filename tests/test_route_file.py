@@ -1,0 +1,61 @@
+"""The file route source: per-route validation, reload on change, revocation (SPEC §3)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import DOMAIN, route, running_relay, write_routes
+from tests.support.rawhttp import request
+
+
+async def test_one_malformed_route_is_rejected_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    routes = [
+        route("good", insecure=True),
+        route("bad", address="8.8.8.8", insecure=True),  # outside upstream.allowed_cidrs
+        {"sandbox_id": "worse", "address": "127.0.0.1", "envd_token": "t", "colour": "red"},
+        route("alsogood", envd_token="x"),
+    ]
+    with caplog.at_level("WARNING", logger="relay"):
+        async with running_relay(tmp_path, routes) as relay:
+            assert sorted(relay.relay.table.routes) == ["alsogood", "good"]
+            assert relay.relay.observer.route_errors == 2
+            missing = await request(relay.port, "GET", "/health", f"49983-bad.{DOMAIN}")
+            assert missing.status == 502
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "sandbox_id=bad" in messages
+    assert "allowed_cidrs" in messages
+    assert "sandbox_id=worse" in messages
+    assert "unknown field" in messages
+
+
+async def test_broken_file_keeps_the_previous_table(tmp_path: Path) -> None:
+    async with running_relay(tmp_path, [route("keep", insecure=True)]) as relay:
+        relay.routes_file.write_text("{not json")
+        relay.relay.feed.load()
+        assert relay.relay.table.get("keep") is not None
+        assert relay.relay.observer.feed_errors == 1
+
+
+async def test_file_change_is_picked_up_by_polling(tmp_path: Path) -> None:
+    async with running_relay(tmp_path, [route("first", insecure=True)]) as relay:
+        write_routes(relay.routes_file, [route("second", insecure=True)])
+        started = time.monotonic()
+        while relay.relay.table.get("second") is None:
+            assert time.monotonic() - started < 1.0
+            await asyncio.sleep(0.02)
+        assert relay.relay.table.get("first") is None
+
+
+async def test_sighup_style_reload(tmp_path: Path) -> None:
+    async with running_relay(
+        tmp_path, [route("a", insecure=True)], {"routes": {"poll_interval_s": 60}}
+    ) as relay:
+        write_routes(relay.routes_file, [route("b", insecure=True)])
+        relay.relay.reload()
+        assert relay.relay.table.get("b") is not None

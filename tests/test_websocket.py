@@ -1,0 +1,126 @@
+"""WebSocket pass-through on app ports: frames and close codes both ways, revocation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import WSMsgType, web
+from aiohttp.test_utils import TestServer
+
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+
+
+@dataclass
+class WsApp:
+    server: TestServer
+    close_codes: list[int | None] = field(default_factory=list)
+    sockets: list[web.WebSocketResponse] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        assert self.server.port is not None
+        return self.server.port
+
+
+@pytest.fixture
+async def ws_app() -> AsyncIterator[WsApp]:
+    holder: list[WsApp] = []
+
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        holder[0].sockets.append(ws)
+        async for msg in ws:
+            if msg.type is WSMsgType.TEXT and msg.data.startswith("close:"):
+                await ws.close(code=int(msg.data[6:]), message=b"bye")
+            elif msg.type is WSMsgType.TEXT:
+                await ws.send_str("echo:" + msg.data)
+            elif msg.type is WSMsgType.BINARY:
+                await ws.send_bytes(msg.data)
+        holder[0].close_codes.append(ws.close_code)
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/ws", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    holder.append(WsApp(server))
+    yield holder[0]
+    await server.close()
+
+
+@pytest.fixture
+async def relay(tmp_path: Path) -> AsyncIterator[RelayUnderTest]:
+    routes = [route("wsbox", envd_token="e", traffic_token="tt"), route("other", insecure=True)]
+    async with running_relay(tmp_path, routes) as r:
+        yield r
+
+
+def ws_headers(app: WsApp, sandbox: str = "wsbox") -> dict[str, str]:
+    return {"Host": f"{app.port}-{sandbox}.{DOMAIN}", "E2b-Traffic-Access-Token": "tt"}
+
+
+async def test_echo_and_client_close_code(relay: RelayUnderTest, ws_app: WsApp) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(f"{relay.url}/ws", headers=ws_headers(ws_app)) as ws,
+    ):
+        await ws.send_str("hi")
+        assert (await ws.receive(2)).data == "echo:hi"
+        payload = bytes(range(256)) * 300
+        await ws.send_bytes(payload)
+        assert (await ws.receive(2)).data == payload
+        await ws.ping(b"p")
+        await ws.close(code=4000, message=b"client says bye")
+    for _ in range(100):
+        if ws_app.close_codes:
+            break
+        await asyncio.sleep(0.02)
+    assert ws_app.close_codes == [4000]
+
+
+async def test_server_close_code_reaches_the_client(relay: RelayUnderTest, ws_app: WsApp) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(f"{relay.url}/ws", headers=ws_headers(ws_app)) as ws,
+    ):
+        await ws.send_str("close:4000")
+        msg = await ws.receive(2)
+        assert msg.type is WSMsgType.CLOSE
+        assert msg.data == 4000
+        assert msg.extra == "bye"
+
+
+async def test_websocket_needs_the_traffic_token(relay: RelayUnderTest, ws_app: WsApp) -> None:
+    headers = ws_headers(ws_app)
+    del headers["E2b-Traffic-Access-Token"]
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as info:
+            await session.ws_connect(f"{relay.url}/ws", headers=headers)
+    assert info.value.status == 403
+    assert ws_app.sockets == []
+
+
+async def test_removing_the_route_ends_the_websocket(relay: RelayUnderTest, ws_app: WsApp) -> None:
+    async with aiohttp.ClientSession() as session:
+        revoked = await session.ws_connect(f"{relay.url}/ws", headers=ws_headers(ws_app))
+        other = await session.ws_connect(f"{relay.url}/ws", headers=ws_headers(ws_app, "other"))
+        await revoked.send_str("a")
+        assert (await revoked.receive(2)).data == "echo:a"
+        relay.set_routes([route("other", insecure=True)])
+        started = time.monotonic()
+        msg = await revoked.receive(2)
+        assert time.monotonic() - started < 1.0
+        assert msg.type is WSMsgType.CLOSE
+        assert msg.data == 1001
+        # the other sandbox's WebSocket is untouched
+        await other.send_str("still here")
+        assert (await other.receive(2)).data == "echo:still here"
+        await other.close()
+        await revoked.close()
