@@ -201,7 +201,12 @@ class Exchange:
         self.status = answer.status
         self.reason = self.reason or reject.reason.label
         # Keep the connection only if the request body is (or will be) small enough to drop.
-        keep = self.keep_alive and not self.head.upgrade and self._discard_ok()
+        keep = (
+            self.keep_alive
+            and not reject.reason.closes
+            and not self.head.upgrade
+            and self._discard_ok()
+        )
         self.keep_alive = keep
         fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
         if not keep:
@@ -331,6 +336,10 @@ class Exchange:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             self._upgraded(data[upgrade.args[0] :])
+        except httptools.HttpParserCallbackError as exc:
+            log.error("internal error on an upstream connection", exc_info=exc.__context__ or exc)
+            self.reason = "internal_error"
+            self.cut(Reject(reason=Reason.INTERNAL), upstream_failed=True)
         except httptools.HttpParserError as exc:
             self.reason = f"upstream: {exc}"
             self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)

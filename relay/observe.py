@@ -45,6 +45,9 @@ class Observer:
         if not access_log.isEnabledFor(logging.INFO):
             return
         target = decision.target if isinstance(decision, Forward) else None
+        sandbox_id = target.sandbox_id if target else None
+        if isinstance(decision, Reject):
+            sandbox_id = decision.sandbox_id
         head = exchange.head
         path = decision.log_path if isinstance(decision, Forward) else _path_only(head.target)
         access_log.info(
@@ -52,7 +55,7 @@ class Observer:
                 {
                     "time": round(time.time(), 3),
                     "client": exchange.client.peer,
-                    "sandbox_id": target.sandbox_id if target else None,
+                    "sandbox_id": sandbox_id,
                     "port": target.port if target else None,
                     "method": head.method.decode("latin-1"),
                     "path": path,

@@ -112,6 +112,10 @@ class ClientConnection(asyncio.Protocol):
             self.parser = None
             self._upgrade_requested(data[upgrade.args[0] :])
             return
+        except httptools.HttpParserCallbackError as exc:
+            # One of relay's own callbacks raised: a bug, not a bad request.
+            self.internal_error(exc.__context__ or exc)
+            return
         except httptools.HttpParserError as exc:
             self._parse_error(exc)
             return
@@ -296,6 +300,17 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def head_timed_out(self) -> None:
+        """``listen.header_timeout_s`` passed without a complete request head (slowloris)."""
+        if self.active is not None:
+            # A pipelined head trickling in behind a long response: the response may run
+            # for hours (a command stream), so only the head's own wait is restarted.
+            self.relay.timers.expect_head(self)
+        elif self._head_raw:
+            self.refuse(Reject(reason=Reason.HEADER_TIMEOUT))
+        else:
+            self.close()  # nothing was sent: just close
+
     def start_splice(self, splice: Splice) -> None:
         self.splice = splice
         self.active = None
@@ -316,6 +331,14 @@ class ClientConnection(asyncio.Protocol):
             return
         self.pause(PAUSE_UPGRADE)
         exchange.client_tail(tail)
+
+    def internal_error(self, exc: BaseException) -> None:
+        """Log a bug with its traceback (never to the client) and end the connection."""
+        log.error("internal error on a client connection", exc_info=exc)
+        if self.active is None or not self.active.response_started():
+            self.refuse(Reject(reason=Reason.INTERNAL))
+        else:
+            self.abort()
 
     def _parse_error(self, exc: Exception) -> None:
         if self.active is not None and self.active.response_started():
@@ -370,12 +393,7 @@ class Timers:
     def sweep(self) -> None:
         now = time.monotonic()
         for conn in _expired(self._head, now):
-            if conn.active is None:
-                conn.refuse(
-                    Reject(reason=Reason.BAD_REQUEST, detail="Request header timeout")
-                ) if conn.requests == 0 and conn._head_raw else conn.close()
-            else:
-                conn.close()
+            conn.head_timed_out()
         for conn in _expired(self._idle, now):
             conn.close()
         for conn in _expired(self._closing, now):

@@ -144,7 +144,7 @@ def decide(
     # -- target
     host_values = fields.get(b"host")
     if host_values is None and head.version == "1.1":
-        return Reject(reason=Reason.BAD_HOST, detail="Missing Host header")  # RFC 9112 §3.2
+        return Reject(reason=Reason.BAD_REQUEST, detail="Missing Host header")  # RFC 9112 §3.2
     host = target.normalise_host(host_values[0]) if host_values else None
     if host_values and host is None:
         return Reject(reason=Reason.BAD_HOST, detail="Invalid Host header")

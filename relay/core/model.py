@@ -71,6 +71,9 @@ class Route:
     max_connections: int = 0
 
 
+CLOSE = True
+
+
 class Reason(enum.Enum):
     """Every answer relay makes itself: status, metric label and default text in one table.
 
@@ -78,17 +81,23 @@ class Reason(enum.Enum):
     template (the shape E2B's Go proxy has); ``relay.core.answers`` renders any member.
     """
 
-    CONNECT = (405, "connect", "CONNECT is not supported")
-    BAD_VERSION = (505, "bad_version", "HTTP version not supported")
-    BAD_TRANSFER_ENCODING = (501, "bad_framing", "Transfer-Encoding other than chunked")
-    BAD_REQUEST = (400, "bad_request", "Bad request")
-    HEADERS_TOO_LARGE = (431, "headers_too_large", "Request header fields too large")
-    BAD_TARGET_FORM = (400, "bad_target", "The request target must be in origin-form")
+    CONNECT = (405, "connect", "CONNECT is not supported", CLOSE)
+    BAD_VERSION = (505, "bad_version", "HTTP version not supported", CLOSE)
+    BAD_TRANSFER_ENCODING = (501, "bad_framing", "Transfer-Encoding other than chunked", CLOSE)
+    BAD_REQUEST = (400, "bad_request", "Bad request", CLOSE)
+    HEADERS_TOO_LARGE = (431, "headers_too_large", "Request header fields too large", CLOSE)
+    HEADER_TIMEOUT = (408, "header_timeout", "The request head was not received in time", CLOSE)
+    BAD_TARGET_FORM = (400, "bad_target", "The request target must be in origin-form", CLOSE)
     BAD_PATH = (400, "bad_path", "The request path has a forbidden encoding")
-    BAD_UPGRADE = (400, "bad_upgrade", "Only WebSocket upgrades are supported")
+    BAD_UPGRADE = (400, "bad_upgrade", "Only WebSocket upgrades are supported", CLOSE)
     BAD_HOST = (400, "bad_host", "Invalid host")
     BAD_ROUTING_HEADER = (400, "bad_routing_header", "Invalid sandbox routing headers")
-    REPEATED_FIELD = (400, "repeated_field", "A header field that must appear once is repeated")
+    REPEATED_FIELD = (
+        400,
+        "repeated_field",
+        "A header field that must appear once is repeated",
+        CLOSE,
+    )
     BAD_EXPIRATION = (400, "bad_signature_expiration", "Invalid signature_expiration")
     ENVD_UNAUTHORIZED = (
         401,
@@ -135,13 +144,17 @@ class Reason(enum.Enum):
     MANAGEMENT_UNAVAILABLE = (502, "management_unavailable", "The API server is unreachable")
     NOT_READY = (503, "not_ready", "route cache is not ready")
     STALE = (503, "stale", "route cache is stale")
-    OVERLOADED = (503, "overloaded", "relay has too many open connections")
-    DRAINING = (503, "draining", "relay is shutting down")
+    OVERLOADED = (503, "overloaded", "relay has too many open connections", CLOSE)
+    DRAINING = (503, "draining", "relay is shutting down", CLOSE)
+    INTERNAL = (500, "internal_error", "relay failed to handle the request", CLOSE)
 
-    def __init__(self, status: int, label: str, text: str) -> None:
+    def __init__(self, status: int, label: str, text: str, closes: bool = False) -> None:
         self.status = status
         self.label = label
         self.text = text
+        # The request's framing or meaning is in doubt, or relay must shed the connection:
+        # answer, then close (SPEC §5a), never read another request from it.
+        self.closes = closes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

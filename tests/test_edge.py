@@ -1,0 +1,151 @@
+"""Answers relay gives before anything reaches an upstream (SPEC §5, §5a), over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from relay.core.model import RequestHead
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.rawhttp import Connection, request
+
+
+@pytest.fixture
+async def relay(tmp_path: Path) -> AsyncIterator[RelayUnderTest]:
+    overrides = {"listen": {"header_timeout_s": 0.5, "max_header_bytes": 4096}}
+    async with running_relay(tmp_path, [route("sbx", envd_token="t")], overrides) as r:
+        yield r
+
+
+async def send_raw(
+    relay: RelayUnderTest, data: bytes
+) -> tuple[int, dict[str, object] | None, bool]:
+    """Send bytes, read one answer; returns (status, JSON body, closed by relay)."""
+    conn = await Connection.open(relay.port)
+    try:
+        await conn.send(data)
+        response = await conn.read_response(timeout=3)
+        closed = await conn.closed_by_peer(1.0)
+        body = json.loads(response.body) if response.body.startswith(b"{") else None
+        return response.status, body, closed
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"CONNECT 49983-sbx.e2b.test:443 HTTP/1.1\r\nHost: 49983-sbx.e2b.test:443\r\n\r\n", 405),
+        (
+            b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            400,
+        ),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nX: a\r\n b\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost : a\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501),
+        (b"GET http://49983-sbx.e2b.test/ HTTP/1.1\r\nHost: 49983-sbx.e2b.test\r\n\r\n", 400),
+        (
+            b"GET / HTTP/1.1\r\nHost: 49983-sbx.e2b.test\r\n"
+            b"Connection: Upgrade\r\nUpgrade: h2c\r\n\r\n",
+            400,
+        ),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\n\r\n", 400),
+    ],
+    ids=[
+        "connect",
+        "cl-te",
+        "two-cl",
+        "obs-fold",
+        "space-colon",
+        "te-gzip",
+        "absolute",
+        "h2c",
+        "two-hosts",
+        "no-host",
+    ],
+)
+async def test_refused_and_closed(relay: RelayUnderTest, raw: bytes, status: int) -> None:
+    got, body, closed = await send_raw(relay, raw)
+    assert got == status
+    assert body is not None
+    assert body["code"] == status
+    assert closed
+
+
+async def test_header_section_too_large(relay: RelayUnderTest) -> None:
+    raw = (
+        b"GET / HTTP/1.1\r\nHost: a\r\n"
+        + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 100) for i in range(60))
+        + b"\r\n"
+    )
+    status, _, closed = await send_raw(relay, raw)
+    assert status == 431
+    assert closed
+
+
+async def test_endless_header_line_is_cut_at_the_limit(relay: RelayUnderTest) -> None:
+    conn = await Connection.open(relay.port)
+    await conn.send(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: " + b"v" * 8000)
+    response = await conn.read_response(timeout=3)
+    assert response.status == 431
+    await conn.close()
+
+
+async def test_slow_head_is_closed(relay: RelayUnderTest) -> None:
+    conn = await Connection.open(relay.port)
+    await conn.send(b"GET / HTTP/1.1\r\nHo")
+    response = await conn.read_response(timeout=3)
+    assert response.status == 408
+    assert await conn.closed_by_peer(1)
+    await conn.close()
+
+
+async def test_silent_connection_is_closed(relay: RelayUnderTest) -> None:
+    conn = await Connection.open(relay.port)
+    assert await conn.closed_by_peer(3)
+    await conn.close()
+
+
+async def test_html_page_for_a_browser_and_cors(relay: RelayUnderTest) -> None:
+    browser = await request(
+        relay.port,
+        "GET",
+        "/",
+        f"49983-ghost.{DOMAIN}",
+        [("Accept", "text/html,*/*;q=0.8"), ("Sec-Fetch-Mode", "navigate")],
+    )
+    assert browser.status == 502
+    assert (browser.header("Content-Type") or "").startswith("text/html")
+    cors = await request(
+        relay.port, "GET", "/", f"49983-ghost.{DOMAIN}", [("Origin", "https://app.example")]
+    )
+    assert cors.header("Access-Control-Allow-Origin") == "*"
+
+
+async def test_a_bug_is_a_500_without_a_traceback_and_relay_stays_up(
+    relay: RelayUnderTest, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    original = relay.relay.decide
+
+    def broken(head: RequestHead) -> object:
+        monkeypatch.setattr(relay.relay, "decide", original)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(relay.relay, "decide", broken)
+    with caplog.at_level(logging.ERROR):
+        response = await request(relay.port, "GET", "/health", f"49983-sbx.{DOMAIN}")
+    assert response.status == 500
+    assert b"boom" not in response.body
+    assert b"Traceback" not in response.body
+    assert any("boom" in str(r.exc_info) for r in caplog.records)
+    after = await request(relay.port, "GET", "/health", f"49983-ghost.{DOMAIN}")
+    assert after.status == 502
+    await asyncio.sleep(0)
