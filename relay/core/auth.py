@@ -103,7 +103,7 @@ def tokens_equal(given: bytes, expected: str) -> bool:
     return hmac.compare_digest(given, expected.encode("latin-1", "replace"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class EnvdRequest:
     """What the envd credential check looks at."""
 

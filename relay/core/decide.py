@@ -48,10 +48,15 @@ class Settings:
     management: bool = False  # a management upstream is configured
     trusted_proxies: tuple[Network, ...] = ()
 
+    # What every forwarded request loses: hop-by-hop fields, and credentials in strip mode.
+    drop: frozenset[bytes] = frozenset()
+
     def __post_init__(self) -> None:
         # Longest domain first, so that the most specific configured domain wins.
         ordered = tuple(sorted({d.lower().rstrip(".") for d in self.domains}, key=len))
         object.__setattr__(self, "domains", ordered[::-1])
+        drop = headers.HOP_BY_HOP | (headers.CREDENTIALS if self.strip else frozenset())
+        object.__setattr__(self, "drop", drop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +131,7 @@ def decide(
     # -- framing
     if head.version not in _HTTP_VERSIONS:
         return Reject(reason=Reason.BAD_VERSION)
-    fields = headers.index(head.headers)
+    fields, names = headers.index_with_names(head.headers)
     framing = body_framing(head.version, fields)
     if isinstance(framing, Reject):
         return framing
@@ -143,24 +148,27 @@ def decide(
         return websocket
     # -- target
     host_values = fields.get(b"host")
-    if host_values is None and head.version == "1.1":
-        return Reject(reason=Reason.BAD_REQUEST, detail="Missing Host header")  # RFC 9112 §3.2
-    host = target.normalise_host(host_values[0]) if host_values else None
-    if host_values and host is None:
-        return Reject(reason=Reason.BAD_HOST, detail="Invalid Host header")
-    found = target.find_target(
-        host, fields.get(b"e2b-sandbox-id"), fields.get(b"e2b-sandbox-port"), settings.domains
+    if host_values is None:
+        if head.version == "1.1":
+            return Reject(reason=Reason.BAD_REQUEST, detail="Missing Host header")  # RFC 9112 §3.2
+        from_host = None
+    else:
+        well_formed, from_host = target.host_target(host_values[0], settings.domains)
+        if not well_formed:
+            return Reject(reason=Reason.BAD_HOST, detail="Invalid Host header")
+    found = target.combine(
+        from_host, fields.get(b"e2b-sandbox-id"), fields.get(b"e2b-sandbox-port")
     )
     if isinstance(found, Reject):
         return found
     rules = headers.OutboundRules(
-        drop=headers.HOP_BY_HOP | (headers.CREDENTIALS if settings.strip else frozenset()),
+        drop=settings.drop,
         framing=framing[0],
         content_length=framing[1],
         websocket=websocket,
         forwarded_for=(
             (head.peer, "https" if head.tls else "http", host_values[0] if host_values else b"")
-            if _peer_trusted(head.peer, settings.trusted_proxies)
+            if settings.trusted_proxies and _peer_trusted(head.peer, settings.trusted_proxies)
             else None
         ),
     )
@@ -168,19 +176,19 @@ def decide(
         if not settings.management:
             return Reject(reason=Reason.NO_TARGET)
         path = _outbound_path(split, settings.strip)
-        return _forward(head, Kind.MANAGEMENT, None, None, path, fields, rules, split)
+        return _forward(head, Kind.MANAGEMENT, None, None, path, fields, names, rules, split)
     # -- control port / control path
     if found.port in settings.denied_ports:
         return Reject(reason=Reason.CONTROL_PORT)
     is_envd = found.port == settings.envd_port
-    if is_envd and policy.is_control_path(split.clean_path):
+    if is_envd and split.clean_path in policy.CONTROL_PATHS:
         return Reject(reason=Reason.CONTROL_PATH, path=split.clean_path)
     # -- route lookup
     if not feed.ready:
         return Reject(reason=Reason.NOT_READY, retry_after=NOT_READY_RETRY_AFTER_S)
     if feed.stale:
         return Reject(reason=Reason.STALE, retry_after=STALE_RETRY_AFTER_S)
-    route = table.get(found.sandbox_id)
+    route = table.routes.get(found.sandbox_id)
     if route is None:
         return Reject(reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id)
     # -- credentials
@@ -200,7 +208,8 @@ def decide(
     else:
         refused = auth.check_traffic(fields.get(headers.TRAFFIC_TOKEN), route)
         # The traffic token is for relay alone and is removed in either credentials mode.
-        rules = dataclasses.replace(rules, drop=rules.drop | {headers.TRAFFIC_TOKEN})
+        if not settings.strip:
+            rules = dataclasses.replace(rules, drop=rules.drop | {headers.TRAFFIC_TOKEN})
     if refused is not None:
         return dataclasses.replace(refused, sandbox_id=route.sandbox_id)
     # -- per-sandbox limit
@@ -212,7 +221,7 @@ def decide(
             limit=route.max_connections,
         )
     kind = Kind.ENVD if is_envd else Kind.APP
-    return _forward(head, kind, found, route, path, fields, rules, split)
+    return _forward(head, kind, found, route, path, fields, names, rules, split)
 
 
 def _outbound_path(split: policy.SplitTarget, strip: bool) -> bytes:
@@ -220,8 +229,10 @@ def _outbound_path(split: policy.SplitTarget, strip: bool) -> bytes:
     ``signature``/``signature_expiration`` pairs. They are removed on every port, not only
     on envd's: a signed file URL is a bearer credential, and no credential reaches a guest
     (SPEC §2). An app that wants a parameter literally named ``signature`` must rename it."""
-    if not strip or split.raw_query is None:
-        return split.raw_path + (b"?" + split.raw_query if split.raw_query is not None else b"")
+    if split.raw_query is None:
+        return split.raw_path
+    if not strip or b"signature" not in split.raw_query.lower() and b"%" not in split.raw_query:
+        return split.raw_path + b"?" + split.raw_query
     query = auth.strip_signature_params(split.raw_query)
     return split.raw_path + (b"?" + query if query else b"")
 
@@ -233,6 +244,7 @@ def _forward(
     route: Route | None,
     path: bytes,
     fields: dict[bytes, list[bytes]],
+    names: list[bytes],
     rules: headers.OutboundRules,
     split: policy.SplitTarget,
 ) -> Forward:
@@ -242,7 +254,7 @@ def _forward(
         route=route,
         method=head.method,
         path=path,
-        headers=headers.request_headers(head.headers, fields, rules),
+        headers=headers.request_headers(head.headers, names, fields, rules),
         framing=rules.framing,
         content_length=rules.content_length,
         websocket=rules.websocket,

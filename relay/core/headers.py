@@ -7,7 +7,6 @@ framing is written instead; nothing reaches a peer in the other side's framing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from relay.core.model import Framing, Headers
@@ -50,15 +49,22 @@ SINGLETONS = (b"host", b"e2b-sandbox-id", b"e2b-sandbox-port", ACCESS_TOKEN, TRA
 
 def index(headers: Headers) -> dict[bytes, list[bytes]]:
     """Lower-cased name → values in order of appearance."""
+    return index_with_names(headers)[0]
+
+
+def index_with_names(headers: Headers) -> tuple[dict[bytes, list[bytes]], list[bytes]]:
+    """The index, and the lower-cased names in header order (so they are lowered once)."""
     out: dict[bytes, list[bytes]] = {}
+    names = []
     for name, value in headers:
         key = name.lower()
+        names.append(key)
         values = out.get(key)
         if values is None:
             out[key] = [value]
         else:
             values.append(value)
-    return out
+    return out, names
 
 
 def connection_tokens(values: list[bytes] | None) -> frozenset[bytes]:
@@ -91,16 +97,28 @@ class OutboundRules:
 
 
 def request_headers(
-    headers: Headers, fields: dict[bytes, list[bytes]], rules: OutboundRules
+    headers: Headers,
+    names: list[bytes],
+    fields: dict[bytes, list[bytes]],
+    rules: OutboundRules,
 ) -> Headers:
-    """The end-to-end request fields to send upstream, in the client's order."""
-    drop = rules.drop | connection_tokens(fields.get(b"connection"))
+    """The end-to-end request fields to send upstream, in the client's order.
+
+    ``names`` are the lower-cased names of ``headers`` (from :func:`index_with_names`).
+    """
+    drop = rules.drop
+    connection = fields.get(b"connection")
+    if connection is not None:
+        drop = drop | connection_tokens(connection)
     if rules.forwarded_for is None:
         drop = drop | FORWARDED
-    out = [(name, value) for name, value in headers if name.lower() not in drop]
+    out = [pair for pair, key in zip(headers, names, strict=True) if key not in drop]
     if rules.forwarded_for is not None:
         out = _with_forwarded(out, fields, rules.forwarded_for)
-    out.extend(_framing(rules.framing, rules.content_length))
+    if rules.framing is Framing.LENGTH:
+        out.append((b"Content-Length", str(rules.content_length).encode()))
+    elif rules.framing is Framing.CHUNKED:
+        out.append((b"Transfer-Encoding", b"chunked"))
     if rules.websocket:
         out.append((b"Connection", b"Upgrade"))
         out.append((b"Upgrade", b"websocket"))
@@ -123,14 +141,6 @@ def _with_forwarded(
     if b"x-forwarded-host" not in fields and host:
         out.append((b"X-Forwarded-Host", host))
     return out
-
-
-def _framing(framing: Framing, length: int) -> Iterable[tuple[bytes, bytes]]:
-    if framing is Framing.LENGTH:
-        return ((b"Content-Length", str(length).encode()),)
-    if framing is Framing.CHUNKED:
-        return ((b"Transfer-Encoding", b"chunked"),)
-    return ()
 
 
 def response_headers(headers: Headers, *, upgraded: bool) -> Headers:

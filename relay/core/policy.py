@@ -24,7 +24,7 @@ CONTROL_PATHS = frozenset(
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SplitTarget:
     """An origin-form request target split into its raw path and query."""
 
@@ -85,9 +85,20 @@ def split_target(target: bytes) -> SplitTarget | Reject:
     """
     if not target.startswith(b"/"):
         return Reject(reason=Reason.BAD_TARGET_FORM)
+    raw_path, sep, raw_query = target.partition(b"?")
+    if (
+        b"%" not in target
+        and b"#" not in target
+        and b"\\" not in raw_path
+        and b"\x00" not in target
+        and b"/." not in raw_path
+        and b"//" not in raw_path
+        and (len(raw_path) == 1 or not raw_path.endswith(b"/"))
+    ):
+        # Fast path, the common case: nothing to decode and already clean.
+        return SplitTarget(raw_path, raw_query if sep else None, raw_path.decode("latin-1"))
     if b"#" in target:
         return Reject(reason=Reason.BAD_PATH, detail="The request target must not contain '#'")
-    raw_path, sep, raw_query = target.partition(b"?")
     lowered = raw_path.lower()
     if b"%2f" in lowered or b"%5c" in lowered or b"\\" in raw_path:
         return Reject(
