@@ -231,7 +231,7 @@ def _outbound_path(split: policy.SplitTarget, strip: bool) -> bytes:
     (SPEC §2). An app that wants a parameter literally named ``signature`` must rename it."""
     if split.raw_query is None:
         return split.raw_path
-    if not strip or b"signature" not in split.raw_query.lower() and b"%" not in split.raw_query:
+    if not strip or (b"signature" not in split.raw_query.lower() and b"%" not in split.raw_query):
         return split.raw_path + b"?" + split.raw_query
     query = auth.strip_signature_params(split.raw_query)
     return split.raw_path + (b"?" + query if query else b"")
