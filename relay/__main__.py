@@ -88,9 +88,13 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here so that check-config and sign-url start without the server stack.
     import uvloop  # noqa: PLC0415
 
-    from relay.runtime import serve  # noqa: PLC0415
+    from relay.runtime import StartupError, serve  # noqa: PLC0415
 
-    uvloop.run(serve(config))
+    try:
+        uvloop.run(serve(config))
+    except StartupError as exc:
+        print(f"relay: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -34,6 +34,34 @@ log = logging.getLogger("relay")
 SWEEP_INTERVAL_S = 0.5
 
 
+class StartupError(RuntimeError):
+    """relay cannot run safely on this machine; the message says why."""
+
+
+def check_parsers() -> None:
+    """Refuse to start on a pure-Python HTTP parser (SPEC §5a; issue: request smuggling).
+
+    The data path parses with httptools (llhttp, C). The admin listener uses aiohttp, whose
+    pure-Python fallback parser (``AIOHTTP_NO_EXTENSIONS``, or a wheel without its C
+    extension) has had request-smuggling bugs; relay would rather not start than run on it.
+    """
+    import httptools.parser.parser as llhttp  # noqa: PLC0415
+    from aiohttp import http_parser  # noqa: PLC0415
+
+    if not llhttp.__file__ or not llhttp.__file__.endswith(".so"):
+        raise StartupError("httptools has no compiled llhttp parser")
+    try:
+        from aiohttp._http_parser import (  # type: ignore[import-not-found]  # noqa: PLC0415
+            HttpRequestParser as CParser,
+        )
+    except ImportError:
+        raise StartupError("aiohttp's C HTTP parser is unavailable") from None
+    if http_parser.HttpRequestParser is not CParser:
+        raise StartupError(
+            "aiohttp is using its pure-Python HTTP parser (AIOHTTP_NO_EXTENSIONS is set?)"
+        )
+
+
 class Live(Protocol):
     """An exchange or splice that a revocation can end."""
 
@@ -177,6 +205,7 @@ class Relay:
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:
+        check_parsers()
         loop = asyncio.get_running_loop()
         listen = self.config.listen
         if listen.tls_cert:

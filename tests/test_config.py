@@ -79,3 +79,20 @@ def test_cli_version() -> None:
         [sys.executable, "-m", "relay", "--version"], capture_output=True, text=True, check=True
     )
     assert result.stdout.startswith("relay ")
+
+
+def test_refuses_to_start_on_the_pure_python_parser(tmp_path: Path) -> None:
+    (tmp_path / "routes.json").write_text('{"routes": []}')
+    config = tmp_path / "relay.toml"
+    config.write_text('[listen]\naddress = "127.0.0.1:0"\n[admin]\naddress = "127.0.0.1:0"\n')
+    env = {"AIOHTTP_NO_EXTENSIONS": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=20,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "pure-Python HTTP parser" in result.stderr
