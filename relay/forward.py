@@ -42,6 +42,7 @@ LAST_CHUNK = b"0\r\n\r\n"
 # kept; past it the connection is closed after the answer.
 DISCARD_LIMIT = 1 << 20
 CONNECT_TYPE = b"application/connect+json"
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 
 
 class State(enum.Enum):
@@ -62,6 +63,8 @@ class Exchange:
         "_pending",
         "_resp_headers",
         "_resp_reason",
+        "_retried",
+        "_reused",
         "_tail",
         "_tracker",
         "_upstream_keepalive",
@@ -99,6 +102,8 @@ class Exchange:
         self._client_framing = Framing.NONE
         self._tracker: EnvelopeTracker | None = None
         self._upstream_keepalive = True
+        self._reused = False
+        self._retried = False
         self.request_complete = False
         self.response_complete = False
         self.status = 0
@@ -174,6 +179,7 @@ class Exchange:
         assert isinstance(decision, Forward)
         self.upstream = conn
         conn.owner = self
+        self._reused = conn.uses > 1
         self.state = State.STREAMING
         self.parser = httptools.HttpResponseParser(self)
         head = header_rules.serialise_request(decision.method, decision.path, decision.headers)
@@ -350,14 +356,46 @@ class Exchange:
         if self.status and self._client_framing_until_close():
             self.on_message_complete()  # a close-delimited body ends here (RFC 9112 §6.3)
             return
+        if self._retry_on_a_fresh_connection():
+            return
         self.reason = self.reason or "upstream_eof"
         self.cut(_upstream_closed(self), upstream_failed=True)
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
         if self.state is State.STREAMING and not self.response_complete:
+            if self._retry_on_a_fresh_connection():
+                return
             self.reason = self.reason or ("upstream_reset" if exc else "upstream_eof")
             self.cut(_upstream_closed(self), upstream_failed=True)
+
+    def _retry_on_a_fresh_connection(self) -> bool:
+        """A pooled connection the upstream closed just as it was reused: send again, once.
+
+        Only for idempotent requests without a body (RFC 9110 §9.2.2) that got no response
+        byte; the race is between the upstream's idle close and relay noticing it.
+        """
+        decision = self.decision
+        if (
+            self._retried
+            or not self._reused
+            or self.status
+            or self._interim
+            or not isinstance(decision, Forward)
+            or decision.framing is not Framing.NONE
+            or decision.method not in _IDEMPOTENT
+        ):
+            return False
+        self._retried = True
+        conn, self.upstream = self.upstream, None
+        if conn is not None:
+            conn.owner = None
+            conn.close()
+        self.parser = None
+        self.state = State.DIALING
+        self.client.pause(PAUSE_DIAL)
+        self._dial_task = self.client.relay.spawn(self._dial(self._pool_key(decision)))
+        return True
 
     def upstream_pause_writing(self) -> None:
         self.client.pause(PAUSE_UPSTREAM_FULL)

@@ -364,3 +364,36 @@ async def test_revoked_stream_is_truncated_within_a_second(
     assert time.monotonic() - revoked_at < 1.0
     assert not conn.partial.complete  # no terminating chunk: the client sees the truncation
     await conn.close()
+
+
+async def test_a_stale_pooled_connection_is_retried_once_for_idempotent_requests(
+    tmp_path: Path,
+) -> None:
+    """The upstream answers one request per connection, then closes when it gets a second
+    (an idle-timeout race): a GET is sent again on a fresh connection, a POST is not."""
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the reuse: close without answering
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("stale", insecure=True)]) as relay:
+            host = app_host(port, "stale")
+            assert (await request(relay.port, "GET", "/1", host)).status == 200
+            second = await request(relay.port, "GET", "/2", host)
+            assert second.status == 200
+            assert second.body == b"ok"
+            assert connections == 2
+            post = await request(relay.port, "POST", "/3", host, body=b"x")
+            assert post.status == 502
+    finally:
+        server.close()
+        await server.wait_closed()
