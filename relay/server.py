@@ -177,7 +177,10 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self.parser
-        assert parser is not None
+        if parser is None or self.closing:
+            # Refused earlier in this same read: llhttp goes on parsing what follows (say, a
+            # pipelined request), but nothing more is dispatched on a closing connection.
+            return
         self._in_head = False
         self.requests += 1
         self.relay.timers.head_done(self)
@@ -210,12 +213,12 @@ class ClientConnection(asyncio.Protocol):
             self.pause(PAUSE_QUEUE)
 
     def on_body(self, body: bytes) -> None:
-        if self.receiving is not None:
+        if self.receiving is not None and not self.closing:
             self.receiving.request_body(body)
 
     def on_message_complete(self) -> None:
         receiving, self.receiving = self.receiving, None
-        if receiving is not None:
+        if receiving is not None and not self.closing:
             receiving.request_done()
 
     # -- flow control -------------------------------------------------------------------------

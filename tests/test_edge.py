@@ -149,3 +149,14 @@ async def test_a_bug_is_a_500_without_a_traceback_and_relay_stays_up(
     after = await request(relay.port, "GET", "/health", f"49983-ghost.{DOMAIN}")
     assert after.status == 502
     await asyncio.sleep(0)
+
+
+async def test_nothing_after_a_refusal_is_dispatched(relay: RelayUnderTest) -> None:
+    """A refused request followed, in the same packet, by a pipelined one: one answer only."""
+    big = b"GET / HTTP/1.1\r\nHost: a\r\n" + b"X: " + b"v" * 5000 + b"\r\n\r\n"
+    conn = await Connection.open(relay.port)
+    await conn.send(big + f"GET /health HTTP/1.1\r\nHost: 49983-sbx.{DOMAIN}\r\n\r\n".encode())
+    first = await conn.read_response()
+    assert first.status == 431
+    assert await conn.closed_by_peer(1)  # EOF, and no second answer before it
+    await conn.close()
