@@ -272,8 +272,8 @@ class ProcessService:
 
     async def update(self, call: Call, request: JSONDict) -> JSONDict:
         managed = self._lookup(request.get("process") or {})
-        if "pty" in request:
-            size = (request["pty"] or {}).get("size") or {}
+        if request.get("pty") is not None:
+            size = request["pty"].get("size") or {}
             if managed.pty_master is None:
                 raise ConnectError("internal", "error resizing tty: tty not assigned to process")
             set_window_size(managed.pty_master, size.get("rows", 0), size.get("cols", 0))
@@ -302,8 +302,8 @@ class ProcessService:
         env = self._environment(call.user, config.get("envs") or {})
         argv = ["/bin/sh", "-c", _WRAPPER, "--", cmd, *args]
         try:
-            if "pty" in request:
-                size = (request["pty"] or {}).get("size") or {}
+            if request.get("pty") is not None:  # JSON null is an unset field
+                size = request["pty"].get("size") or {}
                 spawned, master = await self._spawn_pty(argv, cwd, env, size)
             else:
                 stdin = request.get("stdin") in (None, True)

@@ -34,8 +34,11 @@ class WsEvent:
 
 
 class FakeApp(FakeServer):
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(host=host, port=port)
+    def __init__(
+        self, *, host: str = "127.0.0.1", port: int = 0, keepalive_timeout_s: float | None = None
+    ) -> None:
+        # A short keepalive_timeout_s (Node's default is 5 s) makes a pooled connection go stale.
+        super().__init__(host=host, port=port, keepalive_timeout_s=keepalive_timeout_s)
         self.ws_events: list[WsEvent] = []
 
     @property

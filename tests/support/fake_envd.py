@@ -87,6 +87,9 @@ SDK_STREAM_HEADERS: Mapping[str, str] = {
 
 
 class FakeEnvd(FakeServer):
+    # envd main.go: IdleTimeout 640 s ("downstream timeout should be greater than upstream").
+    keepalive_timeout_s = 640.0
+
     def __init__(
         self,
         *,

@@ -31,7 +31,14 @@ from tests.support.records import Recorder, RecordHandle, RequestRecord
 class FakeServer:
     """Base of the fakes: ``async with Fake(...) as fake``, or ``start()`` and ``close()``."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    # How long an idle kept-alive client connection stays open (aiohttp's own default).
+    keepalive_timeout_s = 3630.0
+
+    def __init__(
+        self, *, host: str = "127.0.0.1", port: int = 0, keepalive_timeout_s: float | None = None
+    ) -> None:
+        if keepalive_timeout_s is not None:
+            self.keepalive_timeout_s = keepalive_timeout_s
         self._host = host
         self._requested_port = port
         self._recorder = Recorder()
@@ -42,12 +49,21 @@ class FakeServer:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> Self:
-        server = web.Server(self._serve, handler_cancellation=True, auto_decompress=False)
+        server = web.Server(
+            self._serve,
+            handler_cancellation=True,
+            auto_decompress=False,
+            keepalive_timeout=self.keepalive_timeout_s,
+        )
         # A short shutdown timeout: close() aborts live streams first, so nothing should linger.
         runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, self._host, self._requested_port)
-        await site.start()
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
         self._runner = runner
         address = runner.addresses[0]
         self._port = int(address[1])

@@ -148,6 +148,16 @@ async def test_signed_download(secure_envd: FakeEnvd, http: aiohttp.ClientSessio
         assert response.content_type == "text/plain"
 
 
+async def test_repeated_file_parameter_is_a_binding_error(
+    envd: FakeEnvd, http: aiohttp.ClientSession
+) -> None:
+    async with http.get(f"{envd.url}/files?path=/a&path=/b") as response:
+        assert response.status == 400
+        assert await response.text() == (
+            "Invalid format for parameter path: multiple values for single value parameter 'path'\n"
+        )
+
+
 # -- downloads ----------------------------------------------------------------------------------
 
 

@@ -72,7 +72,9 @@ async def test_start_streams_real_output_then_end_and_end_of_stream(envd: FakeEn
 
 
 async def test_end_event_fields_match_go_process_state(envd: FakeEnvd) -> None:
-    _, frames = await run_stream(envd, START, sdk_start_request("echo out; echo err >&2; exit 3"))
+    # Not a login shell: a host's /etc/profile must not add to stderr.
+    request = {"process": {"cmd": "/bin/sh", "args": ["-c", "echo out; echo err >&2; exit 3"]}}
+    _, frames = await run_stream(envd, START, request)
     assert output(frames, "stdout") == b"out\n"
     assert output(frames, "stderr") == b"err\n"
     assert events(frames)[-1] == {
