@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Mapping
@@ -113,10 +114,26 @@ class FakeEnvd(FakeServer):
             **self.process.unary_methods(),
             **self.filesystem.unary_methods(),
         }
+        self._stream_transports: set[asyncio.Transport] = set()
         self._streams: dict[str, StreamMethod] = {
             **self.process.stream_methods(),
             **self.filesystem.stream_methods(),
         }
+
+    def break_streams(self, *, reset: bool = True, mid_envelope: bool = False) -> int:
+        """End every in-flight exchange abruptly (see FakeServer.break_streams).
+
+        ``mid_envelope``: first send, in its own chunk, the start of an envelope (a header that
+        announces 64 bytes, then 8 of them) on every live Connect stream, as when envd dies in
+        the middle of writing an event; those connections then end with a FIN so that the partial
+        envelope surely reaches the peer before the connection ends.
+        """
+        if mid_envelope:
+            partial = struct.pack(">BI", 0, 64) + b'{"event"'
+            for transport in list(self._stream_transports):
+                transport.write(b"%x\r\n%s\r\n" % (len(partial), partial))
+                transport.close()
+        return super().break_streams(reset=reset)
 
     def host_path(self, sandbox_path: str) -> Path:
         """Where a sandbox path lives on this machine (for arranging and checking files)."""
@@ -265,7 +282,18 @@ class FakeEnvd(FakeServer):
         response.headers.extend(_cors_headers(request))
         response.enable_chunked_encoding()
         await response.prepare(request)
+        transport = request.transport
+        if transport is not None:
+            self._stream_transports.add(transport)
+        try:
+            return await self._run_stream(response, call, body)
+        finally:
+            if transport is not None:
+                self._stream_transports.discard(transport)
 
+    async def _run_stream(
+        self, response: web.StreamResponse, call: Call, body: bytes
+    ) -> web.StreamResponse:
         async def send(message: JSONDict) -> None:
             await response.write(envelope(message))  # one envelope, one chunk, flushed
 

@@ -131,15 +131,19 @@ class FakeServer:
         """Requests being handled right now (streams included)."""
         return len(self._live)
 
-    def break_streams(self) -> int:
-        """Abort every connection with a request in flight, with a TCP RST (SO_LINGER 0).
+    def break_streams(self, *, reset: bool = True) -> int:
+        """End every connection with a request in flight, abruptly.
 
         This is what a sandbox dying mid-stream looks like to a relay: no end-of-stream frame, no
-        last chunk, the connection just goes. Returns how many connections were aborted.
+        last chunk, the connection just goes: with a TCP RST (SO_LINGER 0) by default, or with a
+        plain FIN when ``reset`` is false. Returns how many connections were ended.
         """
         transports = list(self._live)
         for transport in transports:
-            abort_with_reset(transport)
+            if reset:
+                abort_with_reset(transport)
+            else:
+                transport.close()
         return len(transports)
 
     # -- serving --------------------------------------------------------------------------------

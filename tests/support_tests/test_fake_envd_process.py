@@ -297,3 +297,14 @@ async def test_break_streams_cuts_the_connection_without_an_end_frame(envd: Fake
     assert not call.clean_end
     assert output(frames, "stdout").startswith(b"1\n")
     assert envd.live_exchanges == 0
+
+
+async def test_break_streams_mid_envelope_leaves_a_partial_frame(envd: FakeEnvd) -> None:
+    command = "for i in $(seq 20); do echo $i; sleep 0.1; done"
+    async with ConnectStream(envd.host, envd.port, START, sdk_start_request(command)) as call:
+        async for frame in call:
+            if "data" in frame.payload.get("event", {}):
+                assert envd.break_streams(mid_envelope=True) == 1
+    assert call.end is None
+    assert not call.clean_end
+    assert call.truncated_bytes == 5 + 8  # the announced envelope never completed
