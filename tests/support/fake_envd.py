@@ -1,0 +1,430 @@
+"""A fake envd (the daemon on port 49983 inside every E2B sandbox) that speaks envd's real wire
+format, so that the unmodified ``e2b`` SDK, and a relay in front of it, can be tested on loopback.
+
+Usage::
+
+    async with FakeEnvd() as envd:                       # envd without a token (gateway auth)
+        ...  envd.url, envd.port, envd.root, envd.records, envd.break_streams()
+
+    async with FakeEnvd(access_token="tok") as envd:     # envd that checks X-Access-Token itself
+        ...
+
+Request handling follows envd's ``main.go`` middleware order: CORS (rs/cors) → access token
+(``internal/api/auth.go WithAuthorization``) → Basic-auth user (``permissions/authenticate.go``)
+→ routes (chi: the generated ``api.gen.go`` routes plus the Connect handlers of
+``process.Process`` and ``filesystem.Filesystem``). See the ``envd_*`` modules for each part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import inspect
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from tests.support.connect import (
+    STREAM_CONTENT_TYPE,
+    ConnectError,
+    JSONDict,
+    decode_single_envelope,
+    encode_json,
+    end_stream_envelope,
+    envelope,
+)
+from tests.support.envd_files import FilesApi, json_error
+from tests.support.envd_filesystem import FilesystemService
+from tests.support.envd_process import ProcessService
+from tests.support.envd_rpc import Call, StreamMethod, UnaryMethod, keepalive_interval
+from tests.support.fake_server import FakeServer, read_body
+from tests.support.records import RecordHandle
+from tests.support.sandbox_fs import DEFAULT_USER, USERS, SandboxFS, SandboxUser
+
+ENVD_PORT = 49983
+ENVD_VERSION = "0.6.13"  # the infra snapshot's envd (packages/envd/pkg/version.go)
+
+# auth.go authExcludedPaths: method + path, exact match.
+AUTH_EXCLUDED = frozenset({"GET/health", "GET/files", "POST/files", "POST/init"})
+UNAUTHORIZED = (
+    "unauthorized access, please provide a valid access token or method signing if supported"
+)
+# Orchestrator-only routes (spec/envd.yaml x-internal, plus /upgrade). A relay must never let a
+# request reach them; the fake answers them so that a leak is visible in the records.
+CONTROL_PATHS = frozenset(
+    {"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw", "/upgrade"}
+)
+_UNARY_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8")
+_CORS_EXPOSED = (
+    "Connect-Protocol-Version, Content-Encoding, Connect-Content-Encoding, "
+    "Grpc-Status, Grpc-Message, Grpc-Status-Details-Bin, Location, Cache-Control, "
+    "X-Content-Type-Options"
+)
+
+
+def sdk_start_request(command: str, *, stdin: bool = False) -> JSONDict:
+    """A Process.Start request exactly as SDK 2.52 ``commands.run`` builds it (notes §2.2)."""
+    return {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}, "stdin": stdin}
+
+
+# Headers SDK 2.52 sends on a streaming RPC besides the routing/auth ones (notes §2.2).
+SDK_STREAM_HEADERS: Mapping[str, str] = {
+    "Keepalive-Ping-Interval": "50",
+    "User-Agent": "connectrpc/0.11.1",
+    "Connect-Protocol-Version": "1",
+    "Connect-Accept-Encoding": "identity",
+    "Connect-Content-Encoding": "identity",
+    "Accept-Encoding": "zstd,gzip,br",
+}
+
+
+class FakeEnvd(FakeServer):
+    # envd main.go: IdleTimeout 640 s ("downstream timeout should be greater than upstream").
+    keepalive_timeout_s = 640.0
+
+    def __init__(
+        self,
+        *,
+        access_token: str | None = None,
+        root: Path | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        watch_poll_interval: float = 0.05,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        super().__init__(host=host, port=port)
+        self.access_token = access_token
+        self._owns_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="fake-envd-")) if root is None else root
+        self.fs = SandboxFS(self.root)
+        self.env_vars = dict(env_vars or {})
+        self.process = ProcessService(self.fs, self.env_vars)
+        self.filesystem = FilesystemService(self.fs, poll_interval=watch_poll_interval)
+        self.files = FilesApi(self.fs, access_token)
+        self._unary: dict[str, UnaryMethod] = {
+            **self.process.unary_methods(),
+            **self.filesystem.unary_methods(),
+        }
+        self._stream_transports: set[asyncio.Transport] = set()
+        self._streams: dict[str, StreamMethod] = {
+            **self.process.stream_methods(),
+            **self.filesystem.stream_methods(),
+        }
+
+    def break_streams(self, *, reset: bool = True, mid_envelope: bool = False) -> int:
+        """End every in-flight exchange abruptly (see FakeServer.break_streams).
+
+        ``mid_envelope``: first send, in its own chunk, the start of an envelope (a header that
+        announces 64 bytes, then 8 of them) on every live Connect stream, as when envd dies in
+        the middle of writing an event; those connections then end with a FIN so that the partial
+        envelope surely reaches the peer before the connection ends.
+        """
+        if mid_envelope:
+            partial = struct.pack(">BI", 0, 64) + b'{"event"'
+            for transport in list(self._stream_transports):
+                transport.write(b"%x\r\n%s\r\n" % (len(partial), partial))
+                transport.close()
+        return super().break_streams(reset=reset)
+
+    def host_path(self, sandbox_path: str) -> Path:
+        """Where a sandbox path lives on this machine (for arranging and checking files)."""
+        return self.fs.host(sandbox_path)
+
+    async def _before_close(self) -> None:
+        await self.process.close()
+        await self.filesystem.close()
+
+    async def _after_close(self) -> None:
+        if self._owns_root:
+            await asyncio.to_thread(shutil.rmtree, self.root, True)
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.BaseRequest, record: RecordHandle) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        preflight = request.method == "OPTIONS" and request.headers.get(
+            "Access-Control-Request-Method"
+        )
+        if origin is not None and preflight:
+            return _cors_preflight(request)
+        response = await self._authorized(request, record)
+        if not response.prepared:
+            response.headers.extend(_cors_headers(request))
+        return response
+
+    async def _authorized(
+        self, request: web.BaseRequest, record: RecordHandle
+    ) -> web.StreamResponse:
+        if self.access_token is not None:
+            token = request.headers.get("X-Access-Token", "")
+            if token != self.access_token and request.method + request.path not in AUTH_EXCLUDED:
+                return json_error(401, UNAUTHORIZED)
+        try:
+            user = _basic_auth_user(request.headers.get("Authorization"))
+        except ConnectError as error:
+            return _connect_error_answer(request, error)
+        return await self._route(request, record, user)
+
+    async def _route(
+        self, request: web.BaseRequest, record: RecordHandle, user: SandboxUser | None
+    ) -> web.StreamResponse:
+        method, path = request.method, request.path
+        if path in self._unary or path in self._streams:
+            if method != "POST":
+                return web.Response(status=405, headers={"Allow": "POST"})
+            return await self._rpc(request, record, path, user or DEFAULT_USER)
+        routes = {
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/envs"): self._envs,
+            ("GET", "/files"): self.files.download,
+            ("POST", "/files"): self.files.upload,
+        }
+        handler = routes.get((method, path))
+        if handler is not None:
+            return await handler(request, record)
+        if path in CONTROL_PATHS:
+            return web.Response(status=204) if method == "POST" else web.Response(status=405)
+        if any(known == path for _, known in routes):
+            return web.Response(status=405)  # chi's default: empty body
+        # Go's http.NotFound.
+        return web.Response(
+            status=404,
+            body=b"404 page not found\n",
+            headers={
+                "Content-Type": "text/plain; charset=utf-8",
+                "X-Content-Type-Options": "nosniff",
+            },
+        )
+
+    # -- envd HTTP API --------------------------------------------------------------------------
+
+    async def _health(self, request: web.BaseRequest, record: RecordHandle) -> web.Response:
+        # store.go GetHealth: 204, no-store, and an explicitly empty Content-Type.
+        return web.Response(status=204, headers={"Cache-Control": "no-store"})
+
+    async def _metrics(self, request: web.BaseRequest, record: RecordHandle) -> web.Response:
+        disk = shutil.disk_usage(self.root)
+        metrics = {
+            "ts": int(time.time()),
+            "cpu_count": os.cpu_count() or 1,
+            "cpu_used_pct": 0.0,
+            "mem_total_mib": 1024,
+            "mem_used_mib": 128,
+            "mem_total": 1024 << 20,
+            "mem_used": 128 << 20,
+            "disk_used": disk.used,
+            "disk_total": disk.total,
+        }
+        return _json_response(metrics)
+
+    async def _envs(self, request: web.BaseRequest, record: RecordHandle) -> web.Response:
+        return _json_response(self.env_vars)
+
+    # -- Connect --------------------------------------------------------------------------------
+
+    async def _rpc(
+        self, request: web.BaseRequest, record: RecordHandle, method: str, user: SandboxUser
+    ) -> web.StreamResponse:
+        content_type = request.headers.get("Content-Type", "")
+        streaming = method in self._streams
+        wanted = (STREAM_CONTENT_TYPE,) if streaming else _UNARY_CONTENT_TYPES
+        if content_type.lower() not in wanted:
+            # connect-go answers an unsupported codec or protocol with 415.
+            return web.Response(status=415, headers={"Accept-Post": ", ".join(wanted)})
+        body = await read_body(request, record)
+        try:
+            call = _call(request, method, user)
+        except ConnectError as error:
+            if streaming:
+                return _end_only(content_type, error)
+            return _unary_error(content_type, error)
+        if streaming:
+            return await self._serve_stream(request, call, content_type, body)
+        return await self._serve_unary(call, content_type, body)
+
+    async def _serve_unary(self, call: Call, content_type: str, body: bytes) -> web.Response:
+        try:
+            message = _decode_json(body)
+            async with asyncio.timeout(call.timeout_s):
+                outcome = self._unary[call.method](call, message)
+                result = await outcome if inspect.isawaitable(outcome) else outcome
+        except ConnectError as error:
+            return _unary_error(content_type, error)
+        except TimeoutError:
+            return _unary_error(
+                content_type, ConnectError("deadline_exceeded", "context deadline exceeded")
+            )
+        # connect-go echoes the request Content-Type and advertises the compressors it has.
+        return web.Response(
+            status=200,
+            body=encode_json(result),
+            headers={"Content-Type": content_type, "Accept-Encoding": "gzip"},
+        )
+
+    async def _serve_stream(
+        self, request: web.BaseRequest, call: Call, content_type: str, body: bytes
+    ) -> web.StreamResponse:
+        # Streams always answer 200; failures travel in the end-of-stream envelope.
+        response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": content_type, "Connect-Accept-Encoding": "gzip"},
+        )
+        response.headers.extend(_cors_headers(request))
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        transport = request.transport
+        if transport is not None:
+            self._stream_transports.add(transport)
+        try:
+            return await self._run_stream(response, call, body)
+        finally:
+            if transport is not None:
+                self._stream_transports.discard(transport)
+
+    async def _run_stream(
+        self, response: web.StreamResponse, call: Call, body: bytes
+    ) -> web.StreamResponse:
+        async def send(message: JSONDict) -> None:
+            await response.write(envelope(message))  # one envelope, one chunk, flushed
+
+        error: ConnectError | None = None
+        try:
+            flags, message = decode_single_envelope(body)
+            if flags & 0x01:
+                raise ConnectError("internal", "received compressed message without compression")
+            async with asyncio.timeout(call.timeout_s):
+                await self._streams[call.method](call, message, send)
+        except ConnectError as exc:
+            error = exc
+        except TimeoutError:
+            # connect-go put Connect-Timeout-Ms on the handler context.
+            error = ConnectError("deadline_exceeded", "context deadline exceeded")
+        except json.JSONDecodeError as exc:
+            error = ConnectError("invalid_argument", f"unmarshal message: {exc}")
+        except ConnectionResetError:
+            return response  # the client went away mid-stream; envd just stops sending
+        try:
+            await response.write(end_stream_envelope(error))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        return response
+
+
+def _call(request: web.BaseRequest, method: str, user: SandboxUser) -> Call:
+    timeout_header = request.headers.get("Connect-Timeout-Ms")
+    timeout_s: float | None = None
+    if timeout_header is not None:
+        # connect-go: at most 10 digits; start.go reads the same header for the process deadline.
+        if not timeout_header.isdigit() or len(timeout_header) > 10:
+            raise ConnectError(
+                "invalid_argument", f"protocol error: invalid timeout {timeout_header!r}"
+            )
+        timeout_s = int(timeout_header) / 1000 or None
+    return Call(
+        method=method,
+        headers=request.headers,
+        user=user,
+        timeout_s=timeout_s,
+        keepalive_s=keepalive_interval(request.headers.get("Keepalive-Ping-Interval")),
+    )
+
+
+def _basic_auth_user(header: str | None) -> SandboxUser | None:
+    """authenticate.go: a Basic-auth username names the Linux user; no header, default user."""
+    if header is None or header[:6].lower() != "basic ":
+        return None
+    try:
+        decoded = base64.b64decode(header[6:], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    username, colon, _ = decoded.partition(":")
+    if not colon:
+        return None
+    user = USERS.get(username)
+    if user is None:
+        raise ConnectError("unauthenticated", f"invalid username: '{username}'")
+    return user
+
+
+def _decode_json(body: bytes) -> JSONDict:
+    if not body:
+        return {}
+    try:
+        message = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ConnectError("invalid_argument", f"unmarshal message: {exc}") from exc
+    if not isinstance(message, dict):
+        raise ConnectError("invalid_argument", "unmarshal message: not a JSON object")
+    return message
+
+
+def _unary_error(content_type: str, error: ConnectError) -> web.Response:
+    return web.Response(
+        status=error.http_status,
+        body=encode_json(error.to_json()),
+        headers={"Content-Type": "application/json"},
+    )
+
+
+def _end_only(content_type: str, error: ConnectError) -> web.Response:
+    """A stream that fails before its first message: 200 and only the end-of-stream envelope."""
+    return web.Response(
+        status=200,
+        body=end_stream_envelope(error),
+        headers={"Content-Type": content_type or STREAM_CONTENT_TYPE},
+    )
+
+
+def _connect_error_answer(request: web.BaseRequest, error: ConnectError) -> web.Response:
+    """connect.ErrorWriter as the authn middleware uses it: stream-shaped or unary-shaped."""
+    content_type = request.headers.get("Content-Type", "")
+    if content_type.lower().startswith(STREAM_CONTENT_TYPE):
+        return _end_only(content_type, error)
+    return _unary_error(content_type, error)
+
+
+def _cors_headers(request: web.BaseRequest) -> list[tuple[str, str]]:
+    """rs/cors on an actual (non-preflight) request that carries an Origin."""
+    if request.headers.get("Origin") is None:
+        return []
+    return [
+        ("Vary", "Origin"),
+        ("Access-Control-Allow-Origin", "*"),
+        ("Access-Control-Expose-Headers", _CORS_EXPOSED),
+    ]
+
+
+def _cors_preflight(request: web.BaseRequest) -> web.Response:
+    """rs/cors preflight with envd's options (main.go withCORS)."""
+    method = request.headers.get("Access-Control-Request-Method", "").upper()
+    headers = {"Vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"}
+    if method in ("HEAD", "GET", "POST", "PUT", "PATCH", "DELETE"):
+        headers |= {
+            "Access-Control-Allow-Origin": "*",
+            "Access-Control-Allow-Methods": method,
+            "Access-Control-Max-Age": "7200",
+        }
+        requested = request.headers.get("Access-Control-Request-Headers")
+        if requested:
+            headers["Access-Control-Allow-Headers"] = requested
+    return web.Response(status=204, headers=headers)
+
+
+def _json_response(payload: Mapping[str, Any]) -> web.Response:
+    # Go's json.Encoder ends the body with a newline.
+    return web.Response(
+        status=200,
+        body=(json.dumps(payload, separators=(",", ":")) + "\n").encode(),
+        headers={"Content-Type": "application/json", "Cache-Control": "no-store"},
+    )
