@@ -19,8 +19,8 @@ run: $(STAMP)
 	$(BIN)/relay serve --config config/relay.toml
 
 lint: $(STAMP)
-	$(BIN)/ruff check relay tests bench
-	$(BIN)/ruff format --check relay tests bench
+	$(BIN)/ruff check relay tests $(wildcard bench fuzz)
+	$(BIN)/ruff format --check relay tests $(wildcard bench fuzz)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy relay tests

@@ -579,12 +579,16 @@ class Exchange:
         if (
             tracker is not None
             and tracker.at_boundary
-            and not tracker.ended
             and isinstance(decision, Forward)
             and decision.target is not None
         ):
-            frame = end_stream_frame(decision.target.sandbox_id)
-            self.client.writelines([b"%x\r\n" % len(frame), frame, CRLF, LAST_CHUNK])
+            if tracker.ended:
+                # The upstream's own end-of-stream envelope already went out: the Connect
+                # stream is complete, only the chunked terminator is missing.
+                self.client.write(LAST_CHUNK)
+            else:
+                frame = end_stream_frame(decision.target.sandbox_id)
+                self.client.writelines([b"%x\r\n" % len(frame), frame, CRLF, LAST_CHUNK])
             self.response_complete = True
             if not self.request_complete:
                 self.keep_alive = False

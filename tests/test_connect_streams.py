@@ -53,6 +53,10 @@ async def emitter() -> AsyncIterator[TestServer]:
             )
             if request.query.get("break_after") == str(i):
                 assert request.transport is not None
+                if request.query.get("mid_envelope"):
+                    # Half of the next envelope (in its own chunk), then the upstream dies.
+                    await response.write(envelope({"event": {"data": {"stdout": "cut"}}})[:9])
+                    await asyncio.sleep(0.05)
                 request.transport.abort()
                 return response
         await response.write(envelope({"event": {"end": {"exited": True}}}))
@@ -150,6 +154,18 @@ async def test_upstream_break_ends_with_an_unavailable_frame(
     await conn.send(request_bytes("GET", "/health", f"49983-ghost.{DOMAIN}"))
     assert (await conn.read_response()).status == 502
     await conn.close()
+
+
+async def test_upstream_break_mid_envelope_still_ends_cleanly(
+    relay: RelayUnderTest, emitter: TestServer
+) -> None:
+    conn = await open_stream(relay, emitter, "n=20&interval=0.02&break_after=2&mid_envelope=1")
+    response = await conn.read_response(timeout=5)
+    await conn.close()
+    events = decode(response.body)  # no torn envelope: the half one was never released
+    assert len(events) == 1 + 3 + 1
+    assert events[-1][0] == 2
+    assert events[-1][1]["error"]["code"] == "unavailable"  # type: ignore[index]
 
 
 async def test_route_removal_ends_the_stream_with_the_frame(

@@ -53,7 +53,17 @@ class EnvelopeTracker:
 
     @property
     def at_boundary(self) -> bool:
-        return not self._held and not self._skip
+        """Whether the client has received only whole envelopes.
+
+        Held bytes were never released, so they do not count: a stream cut while an envelope
+        is held ends cleanly, the partial envelope dropped. Only an oversized envelope that is
+        passing through unheld leaves the client mid-envelope.
+        """
+        return not self._skip
+
+    @property
+    def holding(self) -> int:
+        return len(self._held)
 
     def feed(self, data: bytes) -> bytes:
         """Bytes that may be released now; the rest is held until its envelope completes."""

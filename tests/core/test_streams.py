@@ -51,12 +51,15 @@ def test_envelopes_are_released_whole_and_in_order(payloads: list[bytes], cuts: 
 def test_large_envelope_streams_through() -> None:
     tracker = EnvelopeTracker(hold_limit=16)
     big = envelope(b"x" * 100)
+    boundaries = []
     assert tracker.feed(big[:50]) == big[:50]
-    assert not tracker.at_boundary
+    boundaries.append(tracker.at_boundary)
     assert tracker.feed(big[50:] + envelope(b"y")[:3]) == big[50:]
-    assert not tracker.at_boundary
+    boundaries.append(tracker.at_boundary)  # the 3 held bytes of "y" were not released
+    assert tracker.holding == 3
     assert tracker.feed(envelope(b"y")[3:]) == envelope(b"y")
-    assert tracker.at_boundary
+    boundaries.append(tracker.at_boundary)
+    assert boundaries == [False, True, True]
 
 
 def test_upstream_end_frame_is_noticed() -> None:
