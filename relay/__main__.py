@@ -69,9 +69,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(level: str) -> None:
+    worker = os.environ.get("RELAY_WORKER")  # set by the supervisor (relay.workers)
+    tag = f"[worker {worker}] " if worker else ""
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s {tag}%(message)s",
         stream=sys.stderr,
     )
     # Access-log lines are JSON documents of their own: print them bare.
@@ -88,9 +90,12 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here so that check-config and sign-url start without the server stack.
     import uvloop  # noqa: PLC0415
 
+    from relay import workers  # noqa: PLC0415
     from relay.runtime import StartupError, serve  # noqa: PLC0415
 
     try:
+        if workers.supervises(config):  # process.workers > 1 (relay.workers)
+            return workers.supervise(config, args.log_level)
         uvloop.run(serve(config))
     except StartupError as exc:
         print(f"relay: cannot start: {exc}", file=sys.stderr)
@@ -102,7 +107,7 @@ def redacted(config: Config) -> dict[str, Any]:
     """The effective configuration with secrets replaced (SPEC §7, check-config)."""
     out: dict[str, Any] = {}
     for section in dataclasses.fields(config):
-        if section.name == "base_dir":
+        if section.name in ("base_dir", "source"):
             continue
         values = dataclasses.asdict(getattr(config, section.name))
         for key in values:
