@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default=os.environ.get("RELAY_LOG_LEVEL", "INFO"))
     check = sub.add_parser("check-config", help="validate a configuration and print it")
     check.add_argument("--config", required=True)
+    check.add_argument(
+        "--offline",
+        action="store_true",
+        help="skip the checks against this machine (TLS files, source address)",
+    )
     sign = sub.add_parser("sign-url", help="make a signed /files URL exactly as the SDK does")
     sign.add_argument(
         "--url", required=True, help="envd base URL, e.g. https://49983-<id>.<domain>"
@@ -127,6 +132,10 @@ def _redact_url(url: str) -> str:
 
 def _check_config(args: argparse.Namespace) -> int:
     config = load(args.config)
+    if not args.offline:
+        from relay.preflight import host_checks  # noqa: PLC0415
+
+        host_checks(config)
     print(json.dumps(redacted(config), indent=2))
     return 0
 

@@ -50,9 +50,8 @@ from prometheus_client.registry import Collector
 from relay import metrics
 from relay.config import Config, ConfigError, split_address
 from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, admin_socket
-from relay.netlink import resolve_source
+from relay.preflight import host_checks
 from relay.systemd import Notifier
-from relay.tlscheck import check_files
 
 log = logging.getLogger("relay.workers")
 
@@ -119,13 +118,7 @@ def preflight(config: Config) -> None:
             )
     if config.source is None:
         raise ConfigError("process.workers: workers need a configuration file to start from")
-    resolve_source(config.upstream)
-    if config.listen.tls_cert:
-        check_files(
-            config.path(config.listen.tls_cert),
-            config.path(config.listen.tls_key),
-            config.routing.domains,
-        )
+    host_checks(config)
 
 
 def supervises(config: Config, env: Mapping[str, str] | None = None) -> bool:

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from relay.__main__ import main
+from tests.support.certs import issue
 from tests.support.harness import DOMAIN, route, running_relay
 from tests.support.rawhttp import request
 
@@ -113,7 +114,9 @@ def test_check_config_prints_no_secret_and_no_internal_field(
         "[routes]\nsource = 'redis'\nredis_url = 'rediss://relay:hunter2@redis.example:6380/0'\n"
         "[listen]\ntls_cert = 'tls.crt'\ntls_key = 'tls.key'\n"
     )
-    assert main(["check-config", "--config", str(config)]) == 0
+    assert main(["check-config", "--config", str(config)]) == 2  # tls.crt does not exist
+    assert "relay: config error: listen.tls_cert: cannot read" in capsys.readouterr().err
+    assert main(["check-config", "--offline", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "hunter2" not in out
     printed = json.loads(out)
@@ -127,3 +130,19 @@ def test_check_config_prints_no_secret_and_no_internal_field(
         "process",
     }
     assert printed["listen"]["tls_key"] == "tls.key"  # a path, not the key itself
+
+
+def test_check_config_runs_the_host_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    certs = issue(tmp_path, [f"*.{DOMAIN}"])
+    config = tmp_path / "relay.toml"
+    config.write_text(
+        f"[routing]\ndomains = ['{DOMAIN}']\n"
+        f"[listen]\ntls_cert = '{certs.cert_file}'\ntls_key = '{certs.key_file}'\n"
+        "[upstream]\nsource_interface = 'lo'\n"
+    )
+    assert main(["check-config", "--config", str(config)]) == 0
+    config.write_text(config.read_text().replace(f"['{DOMAIN}']", "['other.test']"))
+    assert main(["check-config", "--config", str(config)]) == 2
+    assert "listen.tls_cert: subjectAltName does not cover *.other.test" in capsys.readouterr().err
