@@ -19,7 +19,8 @@ import pytest
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestServer
 
-from tests.support.harness import DOMAIN, RelayProcess, route
+from relay.drain import drain
+from tests.support.harness import DOMAIN, RelayProcess, route, running_relay
 from tests.support.ops import NotifySocket, get, port_refuses
 from tests.support.rawhttp import Connection, request_bytes
 
@@ -155,3 +156,48 @@ async def test_an_idle_relay_exits_at_once(tmp_path: Path) -> None:
         assert time.monotonic() - started < 3  # nothing to drain: no 30 s wait
     finally:
         relay.stop()
+
+
+async def test_an_exchange_still_waiting_for_its_answer_gets_503(tmp_path: Path) -> None:
+    release = asyncio.Event()
+
+    async def slow(_request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="too late")
+
+    app = web.Application()
+    app.router.add_get("/", slow)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with running_relay(tmp_path, [route("slowbox", insecure=True)]) as relay:
+            conn = await Connection.open(relay.port)
+            await conn.send(request_bytes("GET", "/", f"{server.port}-slowbox.{DOMAIN}"))
+            await asyncio.sleep(0.2)
+            ended = await drain(relay.relay, 0.3)
+            response = await conn.read_response(2)
+            await conn.close()
+        release.set()
+    finally:
+        await server.close()
+    assert ended == 1
+    assert response.status == 503
+    assert response.header("Retry-After") == "1"
+    assert b"shutting down" in response.body
+
+
+async def test_a_second_signal_cuts_the_drain_short(tmp_path: Path, upstream: TestServer) -> None:
+    async with running_relay(tmp_path, [route("sbx1", insecure=True)]) as relay:
+        conn = await Connection.open(relay.port)
+        await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
+        await conn.pump(0.3)
+        force = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, force.set)
+        started = time.monotonic()
+        assert await drain(relay.relay, 30, force=force) == 1
+        assert time.monotonic() - started < 2
+        assert relay.relay.draining
+        while await conn.pump(1.0):
+            pass
+        assert not conn.partial.complete
+        await conn.close()
