@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default=os.environ.get("RELAY_LOG_LEVEL", "INFO"))
     check = sub.add_parser("check-config", help="validate a configuration and print it")
     check.add_argument("--config", required=True)
+    check.add_argument(
+        "--offline",
+        action="store_true",
+        help="skip the checks against this machine (TLS files, source address)",
+    )
     sign = sub.add_parser("sign-url", help="make a signed /files URL exactly as the SDK does")
     sign.add_argument(
         "--url", required=True, help="envd base URL, e.g. https://49983-<id>.<domain>"
@@ -69,9 +74,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(level: str) -> None:
+    worker = os.environ.get("RELAY_WORKER")  # set by the supervisor (relay.workers)
+    tag = f"[worker {worker}] " if worker else ""
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s {tag}%(message)s",
         stream=sys.stderr,
     )
     # Access-log lines are JSON documents of their own: print them bare.
@@ -88,9 +95,12 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here so that check-config and sign-url start without the server stack.
     import uvloop  # noqa: PLC0415
 
+    from relay import workers  # noqa: PLC0415
     from relay.runtime import StartupError, serve  # noqa: PLC0415
 
     try:
+        if workers.supervises(config):  # process.workers > 1 (relay.workers)
+            return workers.supervise(config, args.log_level)
         uvloop.run(serve(config))
     except StartupError as exc:
         print(f"relay: cannot start: {exc}", file=sys.stderr)
@@ -102,7 +112,7 @@ def redacted(config: Config) -> dict[str, Any]:
     """The effective configuration with secrets replaced (SPEC §7, check-config)."""
     out: dict[str, Any] = {}
     for section in dataclasses.fields(config):
-        if section.name == "base_dir":
+        if section.name in ("base_dir", "source"):
             continue
         values = dataclasses.asdict(getattr(config, section.name))
         for key in values:
@@ -122,6 +132,10 @@ def _redact_url(url: str) -> str:
 
 def _check_config(args: argparse.Namespace) -> int:
     config = load(args.config)
+    if not args.offline:
+        from relay.preflight import host_checks  # noqa: PLC0415
+
+        host_checks(config)
     print(json.dumps(redacted(config), indent=2))
     return 0
 

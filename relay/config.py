@@ -109,6 +109,8 @@ class Config:
     process: Process = field(default_factory=Process)
     # Where relative paths in the file are resolved from (the config file's folder).
     base_dir: Path = field(default=Path(), compare=False)
+    # The file it was loaded from (SIGHUP reads it again); None when built in memory.
+    source: Path | None = field(default=None, compare=False)
 
     def path(self, value: str) -> Path:
         p = Path(value)
@@ -206,7 +208,7 @@ def load(path: str | os.PathLike[str]) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
-    return parse(data, p.resolve().parent)
+    return dataclasses.replace(parse(data, p.resolve().parent), source=p.resolve())
 
 
 def _check(condition: bool, key: str, message: str) -> None:

@@ -429,6 +429,7 @@ class Exchange:
             return
         self._interim = False
         self.status = status
+        self.client.relay.observer.first_response_byte(self)  # metrics: time to first byte
         fields_index = header_rules.index(raw)
         self._upstream_keepalive = parser.should_keep_alive()
         decision = self.decision

@@ -4,17 +4,24 @@ One access-log line per exchange (SPEC §7) on the ``relay.access`` logger. A li
 path *without* its query (a signed URL's query holds a signature), never a header value, and
 never a token: the fields are built here from relay's own decision, not copied from the
 request. Counters are plain integers here; the Prometheus exposition reads them.
+
+Why plain integers and not ``prometheus_client`` metric objects on the request path: a
+pre-bound ``Counter.inc()`` costs about 0.45 µs and a ``Histogram.observe()`` 1 µs in one
+process, and 1.5 µs / 2 µs in prometheus' multiprocess mode (mmap files), against 0.15 µs
+for a ``collections.Counter`` increment; relay records four or five values per request.
+``relay.metrics`` turns a snapshot of these tallies into Prometheus families at scrape time.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from relay.core.model import Forward, Reject
+from relay.core.model import Forward, Reason, Reject
 from relay.core.routes import RouteError
 
 if TYPE_CHECKING:
@@ -25,6 +32,31 @@ access_log = logging.getLogger("relay.access")
 log = logging.getLogger("relay")
 
 
+# Upper bounds (seconds) of histogram buckets; +Inf is implied.
+FIRST_BYTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+CONNECT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# Refusal reasons that are credential failures (relay_auth_failures_total).
+AUTH_REASONS = frozenset(
+    r.label
+    for r in (Reason.ENVD_UNAUTHORIZED, Reason.TRAFFIC_TOKEN_MISSING, Reason.TRAFFIC_TOKEN_INVALID)
+)
+
+
+class Histogram:
+    """Bucket counts (``le`` semantics, not cumulative) and the sum of observations."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+
 class Observer:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, str]] = Counter()  # (kind, status class)
@@ -33,15 +65,73 @@ class Observer:
         self.feed_errors = 0
         self.revocations = 0
         self.websockets_closed = 0
+        # Added for the Prometheus exposition (relay.metrics); labels are bounded sets.
+        self.bytes_in = 0  # body bytes client → upstream
+        self.bytes_out = 0  # body bytes upstream → client
+        self.first_byte: dict[str, Histogram] = {}  # kind → time to the response head
+        self.connect = Histogram(CONNECT_BUCKETS)  # one successful upstream TCP connect
+        self.connect_errors: Counter[str] = Counter()  # refused | timeout | error
+        self.route_rejections: Counter[str] = Counter()  # source
+        self.feed_failures: Counter[str] = Counter()  # source
+        self.revoked_exchanges = 0
+        self.reloads: Counter[str] = Counter()  # ok | error
+        self.tls_reloads: Counter[str] = Counter()  # ok | error
+        self.feed_failing_since: float | None = None  # monotonic; None while the feed is fine
 
     def refused(self, reject: Reject, peer: str) -> None:
         self.refusals[reject.reason.label] += 1
+
+    def connection_refused(self, reject: Reject, peer: str) -> None:
+        """A refusal with no exchange (unparseable request, 431, slow head, overload)."""
+        self.refused(reject, peer)
+        self.requests[("refused", f"{reject.status // 100}xx")] += 1
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(
+                json.dumps(
+                    {
+                        "time": round(time.time(), 3),
+                        "client": peer,
+                        "sandbox_id": None,
+                        "port": None,
+                        "method": None,
+                        "path": None,
+                        "status": reject.status,
+                        "bytes_in": 0,
+                        "bytes_out": 0,
+                        "duration_ms": None,
+                        "reason": reject.reason.label,
+                    },
+                    separators=(",", ":"),
+                )
+            )
+
+    def first_response_byte(self, exchange: Exchange) -> None:
+        """The upstream's final response head arrived (forward.py, on_headers_complete)."""
+        decision = exchange.decision
+        if not isinstance(decision, Forward):
+            return
+        kind = decision.kind.value
+        histogram = self.first_byte.get(kind)
+        if histogram is None:
+            histogram = self.first_byte[kind] = Histogram(FIRST_BYTE_BUCKETS)
+        histogram.observe(time.monotonic() - exchange.started_at)
+
+    def dial_done(self, seconds: float) -> None:
+        self.connect.observe(seconds)
+
+    def dial_failed(self, reason: str) -> None:
+        self.connect_errors[reason] += 1
+
+    def routes_installed(self, source: str, count: int) -> None:
+        self.feed_failing_since = None
 
     def exchange_done(self, exchange: Exchange) -> None:
         decision = exchange.decision
         kind = decision.kind.value if isinstance(decision, Forward) else "refused"
         status = exchange.status
         self.requests[(kind, f"{status // 100}xx" if status else "none")] += 1
+        self.bytes_in += exchange.bytes_in
+        self.bytes_out += exchange.bytes_out
         if not access_log.isEnabledFor(logging.INFO):
             return
         target = decision.target if isinstance(decision, Forward) else None
@@ -71,6 +161,8 @@ class Observer:
 
     def splice_done(self, splice: Splice) -> None:
         self.websockets_closed += 1
+        self.bytes_in += splice.bytes_in
+        self.bytes_out += splice.bytes_out
         if not access_log.isEnabledFor(logging.INFO):
             return
         target = splice.decision.target
@@ -94,6 +186,7 @@ class Observer:
         )
 
     def rejected_routes(self, source: str, errors: list[RouteError]) -> None:
+        self.route_rejections[source] += len(errors)
         for error in errors:
             self.route_errors += 1
             log.warning(
@@ -105,10 +198,14 @@ class Observer:
 
     def feed_error(self, source: str, message: str) -> None:
         self.feed_errors += 1
+        self.feed_failures[source] += 1
+        if self.feed_failing_since is None:
+            self.feed_failing_since = time.monotonic()
         log.error("route feed error: source=%s %s", source, message)
 
     def revoked(self, sandbox_ids: frozenset[str], ended: int) -> None:
         self.revocations += len(sandbox_ids)
+        self.revoked_exchanges += ended
         if sandbox_ids:
             log.info("revoked %d route(s), ended %d live exchange(s)", len(sandbox_ids), ended)
 

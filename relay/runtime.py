@@ -12,19 +12,20 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import signal
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from relay import admin, netlink
 from relay.config import Config, networks, parse_http_url, split_address
 from relay.core.decide import FeedState, decide
 from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route
 from relay.core.routes import RouteError, RouteTable
 from relay.feeds.file import FileFeed
 from relay.observe import Observer
+from relay.reload import reload_settings
 from relay.server import ClientConnection, Timers
 from relay.tls import ReloadableContext
 from relay.upstreams import Pool
@@ -85,6 +86,7 @@ class Relay:
             idle_timeout_s=config.upstream.idle_timeout_s,
             max_idle_per_key=config.upstream.max_idle_per_upstream,
             source_address=config.upstream.source_address or None,
+            observer=self.observer,
         )
         self.timers = Timers(config.listen.header_timeout_s, config.listen.idle_timeout_s)
         self.connections: set[ClientConnection] = set()
@@ -108,6 +110,7 @@ class Relay:
         self._admin: web.AppRunner | None = None
         self.bound: list[tuple[str, int]] = []  # data listener addresses, once bound
         self.admin_bound: tuple[str, int] | None = None
+        self.admin_socket: str | None = None  # a worker's admin app listens here instead
 
     # -- decisions ----------------------------------------------------------------------------
     def decide(self, head: RequestHead) -> Decision:
@@ -173,6 +176,7 @@ class Relay:
     def install_routes(self, routes: dict[str, Route], source: str) -> None:
         table, revoked = self.table.replace(routes)
         self.table = table
+        self.observer.routes_installed(source, len(table))
         if not self.feed_state.ready or self.feed_state.stale:
             self.feed_state = FeedState(ready=True, stale=False)
             log.info("route table ready: %d route(s) from %s", len(table), source)
@@ -208,9 +212,13 @@ class Relay:
         check_parsers()
         loop = asyncio.get_running_loop()
         listen = self.config.listen
+        # Checked over netlink: a wrong source address stops relay here (relay.netlink).
+        self.pool.source_address = await netlink.resolve_source_async(self.config.upstream)
         if listen.tls_cert:
             self.tls = ReloadableContext(
-                str(self.config.path(listen.tls_cert)), str(self.config.path(listen.tls_key))
+                str(self.config.path(listen.tls_cert)),
+                str(self.config.path(listen.tls_key)),
+                self.config.routing.domains,  # checked by relay.tlscheck
             )
         tls = self.tls is not None
         for address in listen.addresses:
@@ -243,13 +251,17 @@ class Relay:
         app = web.Application()
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        admin.add_routes(app, self)  # /metrics, /routes
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
+        self._admin = runner
+        if self.admin_socket is not None:  # a worker: its supervisor owns admin.address
+            await web.UnixSite(runner, self.admin_socket).start()
+            return
         parsed = split_address(self.config.admin.address)
         assert parsed is not None
         site = web.TCPSite(runner, parsed[0], parsed[1], reuse_address=True)
         await site.start()
-        self._admin = runner
         server = site._server
         if server is not None and server.sockets:  # type: ignore[attr-defined]
             name = server.sockets[0].getsockname()  # type: ignore[attr-defined]
@@ -271,14 +283,16 @@ class Relay:
         return web.json_response(body, status=200 if self.ready() else 503)
 
     def reload(self) -> None:
-        """SIGHUP: the routes file and the TLS certificate, without dropping connections."""
+        """SIGHUP: the configuration, the TLS certificate (both in ``relay.reload``) and the
+        routes file, without dropping connections."""
         log.info("reload requested")
+        reload_settings(self)
         self.feed.load()
-        if self.tls is not None:
-            try:
-                self.tls.reload()
-            except (OSError, ValueError) as exc:
-                log.error("TLS reload failed, keeping the current certificate: %s", exc)
+
+    def stop_accepting(self) -> None:
+        """Close the data listeners (drain); accepted connections keep running."""
+        for server in self._servers:
+            server.close()
 
     async def stop(self) -> None:
         for server in self._servers:
@@ -317,17 +331,7 @@ def _in_networks(
 
 
 async def serve(config: Config) -> None:
-    """Run until SIGTERM or SIGINT; SIGHUP reloads."""
-    relay = Relay(config)
-    await relay.start()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, relay.reload)
-    try:
-        await stop.wait()
-    finally:
-        log.info("stopping")
-        relay.draining = True
-        await relay.stop()
+    """Run until SIGTERM or SIGINT, then drain; SIGHUP reloads (``relay.lifecycle``)."""
+    from relay.lifecycle import Lifecycle  # noqa: PLC0415 - lifecycle builds on this module
+
+    await Lifecycle(Relay(config)).run()

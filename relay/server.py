@@ -276,7 +276,7 @@ class ClientConnection(asyncio.Protocol):
         """Answer a request relay could not even parse or admit, then close."""
         answer = render(reject, headers)
         self.closing = True
-        self.relay.observer.refused(reject, self.peer)
+        self.relay.observer.connection_refused(reject, self.peer)
         self.write(
             serialise_response(
                 answer.status,

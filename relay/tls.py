@@ -12,6 +12,10 @@ frame pitfall noted for SDK 2.63 (``ENVD_API_FILE_DOWNLOAD_HTTP_VERSION``).
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
+from pathlib import Path
+
+from relay.tlscheck import CertInfo, check_files
 
 
 def server_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -24,11 +28,16 @@ def server_context(cert_file: str, key_file: str) -> ssl.SSLContext:
 
 
 class ReloadableContext:
-    """A listener context whose certificate can be replaced while the listener runs."""
+    """A listener context whose certificate can be replaced while the listener runs.
 
-    def __init__(self, cert_file: str, key_file: str) -> None:
+    Every pair is checked (:mod:`relay.tlscheck`: key matches, in date, SANs cover each
+    routing domain's wildcard) before it is used, at start and on reload.
+    """
+
+    def __init__(self, cert_file: str, key_file: str, domains: Sequence[str] = ()) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
+        self.info: CertInfo = check_files(Path(cert_file), Path(key_file), domains)
         self.current = server_context(cert_file, key_file)
         self.listener = server_context(cert_file, key_file)
         self.listener.sni_callback = self._select
@@ -36,6 +45,20 @@ class ReloadableContext:
     def _select(self, sslobj: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
         sslobj.context = self.current
 
-    def reload(self) -> None:
-        """Load the files again; on error the old certificate stays and the error is raised."""
-        self.current = server_context(self.cert_file, self.key_file)
+    def reload(
+        self,
+        domains: Sequence[str] = (),
+        cert_file: str | None = None,
+        key_file: str | None = None,
+    ) -> CertInfo:
+        """Load the (possibly moved) files again and swap them in for new handshakes.
+
+        On any problem the old certificate stays and the error is raised
+        (:class:`~relay.tlscheck.TLSCheckError`, ``ssl.SSLError`` or ``OSError``).
+        """
+        cert_file = cert_file or self.cert_file
+        key_file = key_file or self.key_file
+        info = check_files(Path(cert_file), Path(key_file), domains)
+        self.current = server_context(cert_file, key_file)
+        self.cert_file, self.key_file, self.info = cert_file, key_file, info
+        return info

@@ -44,6 +44,13 @@ class Owner(Protocol):
     def upstream_resume_writing(self) -> None: ...
 
 
+class DialObserver(Protocol):
+    """Metrics hook (``relay.observe.Observer``): connect time and failures."""
+
+    def dial_done(self, seconds: float) -> None: ...
+    def dial_failed(self, reason: str) -> None: ...
+
+
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("closed", "idle_since", "key", "owner", "pool", "transport", "uses")
 
@@ -140,7 +147,9 @@ class Pool:
         max_idle_per_key: int = 64,
         source_address: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observer: DialObserver | None = None,
     ) -> None:
+        self.observer = observer
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_key = max_idle_per_key
@@ -218,7 +227,9 @@ class Pool:
         loop = asyncio.get_running_loop()
         local = (self.source_address, 0) if self.source_address else None
         attempts = len(RETRY_DELAYS_S) + 1
+        observer = self.observer
         for attempt in range(attempts):
+            started = time.monotonic()
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     _, conn = await loop.create_connection(
@@ -228,13 +239,21 @@ class Pool:
                         local_addr=local,
                     )
                 conn.uses = 1
+                if observer is not None:
+                    observer.dial_done(time.monotonic() - started)
                 return conn
             except ConnectionRefusedError:
                 if attempt + 1 == attempts:
+                    if observer is not None:
+                        observer.dial_failed("refused")
                     raise DialError("connection refused", refused=True) from None
                 await asyncio.sleep(RETRY_DELAYS_S[attempt])
             except TimeoutError:
+                if observer is not None:
+                    observer.dial_failed("timeout")
                 raise DialError("connect timed out", refused=False) from None
             except OSError as exc:
+                if observer is not None:
+                    observer.dial_failed("error")
                 raise DialError(exc.strerror or type(exc).__name__, refused=False) from None
         raise AssertionError("unreachable")

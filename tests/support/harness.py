@@ -131,6 +131,8 @@ class RelayProcess:
     port: int = 0
     admin_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None  # the child's environment (default: inherited)
+    args: list[str] = field(default_factory=list)  # extra ``relay serve`` arguments
 
     @property
     def url(self) -> str:
@@ -140,7 +142,8 @@ class RelayProcess:
     def routes_file(self) -> Path:
         return self.tmp_path / "routes.json"
 
-    def start(self, timeout: float = 10.0) -> None:
+    def start(self, timeout: float = 10.0, *, until_ready: bool = True) -> None:
+        """Start and wait for ``/readyz`` 200 (or, ``until_ready=False``, any admin answer)."""
         self.port = self.port or free_port()
         self.admin_port = self.admin_port or free_port()
         data = config_data(self.tmp_path, self.overrides, port=self.port)
@@ -151,9 +154,10 @@ class RelayProcess:
         self.stdout = (self.tmp_path / "relay.stdout").open("wb")
         self.stderr = (self.tmp_path / "relay.stderr").open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relay", "serve", "--config", str(config)],
+            [sys.executable, "-m", "relay", "serve", "--config", str(config), *self.args],
             stdout=self.stdout,
             stderr=self.stderr,
+            env=self.env,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -164,7 +168,8 @@ class RelayProcess:
                 socket.create_connection(("127.0.0.1", self.admin_port), 0.2) as s,
             ):
                 s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if s.recv(100).startswith(b"HTTP/1.1 200"):
+                answer = s.recv(100)
+                if answer.startswith(b"HTTP/1.1 200") or (answer and not until_ready):
                     return
             time.sleep(0.05)
         raise RuntimeError(f"relay not ready: {self.output()}")

@@ -1,0 +1,176 @@
+"""One relay process from start to exit: start → ready → (SIGHUP reloads) → SIGTERM → drain.
+
+The same sequence runs in a single-process relay and in each worker of a supervisor
+(``relay.workers``); a worker only differs in where it reports to:
+
+- sd_notify: ``READY=1`` once the data listeners accept and the route table is ready
+  (``/readyz`` would answer 200), ``RELOADING=1``/``READY=1`` around a SIGHUP,
+  ``STOPPING=1`` when the drain starts, ``STATUS=`` lines, and ``WATCHDOG=1`` at half of
+  ``$WATCHDOG_USEC``. A worker's ``$NOTIFY_SOCKET`` is its supervisor's, not systemd's.
+- admin: a worker serves its admin app on a Unix socket in the supervisor's run directory
+  (the supervisor owns ``admin.address``) and writes its metrics snapshot there every second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relay import metrics
+from relay.drain import drain
+from relay.systemd import Notifier
+
+if TYPE_CHECKING:
+    from relay.runtime import Relay
+
+log = logging.getLogger("relay")
+
+WORKER_ENV = "RELAY_WORKER"  # the worker's index, set by the supervisor
+RUN_DIR_ENV = "RELAY_RUN_DIR"  # the supervisor's private directory
+SNAPSHOT_INTERVAL_S = 1.0
+STATUS_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEnv:
+    index: int
+    run_dir: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerEnv | None:
+        index, run_dir = env.get(WORKER_ENV, ""), env.get(RUN_DIR_ENV, "")
+        if not index.isdigit() or not run_dir:
+            return None
+        return cls(int(index), Path(run_dir))
+
+    @property
+    def admin_socket(self) -> Path:
+        return admin_socket(self.run_dir, self.index)
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.run_dir / "metrics"
+
+
+def admin_socket(run_dir: Path, index: int) -> Path:
+    return run_dir / f"worker-{index}.sock"
+
+
+def status_line(relay: Relay) -> str:
+    if relay.draining:
+        return f"draining: {len(relay.connections)} connection(s) open"
+    feed = relay.feed_state
+    state = "stale routes" if feed.stale else "ready" if feed.ready else "waiting for routes"
+    websockets = sum(1 for c in relay.connections if c.splice is not None)
+    return (
+        f"{state}: {len(relay.table)} route(s), {len(relay.connections)} connection(s), "
+        f"{websockets} WebSocket(s)"
+    )
+
+
+class Lifecycle:
+    def __init__(self, relay: Relay, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        self.relay = relay
+        self.notifier = Notifier(env)
+        self.worker = WorkerEnv.from_env(env)
+        self.stop = asyncio.Event()
+        self.force = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def run(self) -> None:
+        relay = self.relay
+        if self.worker is not None:
+            relay.admin_socket = str(self.worker.admin_socket)
+            self.worker.metrics_dir.mkdir(parents=True, exist_ok=True)
+        self.notifier.status("starting")
+        await relay.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.on_stop_signal)
+        loop.add_signal_handler(signal.SIGINT, self.on_stop_signal)
+        loop.add_signal_handler(signal.SIGHUP, self.on_reload_signal)
+        self._spawn(self._announce())
+        if self.notifier.watchdog_s:
+            self._spawn(self._watchdog(self.notifier.watchdog_s))
+        if self.worker is not None:
+            self._spawn(self._snapshots(self.worker.metrics_dir))
+        try:
+            await self.stop.wait()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self._shutdown()
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    def on_stop_signal(self) -> None:
+        if self.stop.is_set():
+            self.force.set()  # a second signal: cut the drain short
+        self.stop.set()
+
+    def on_reload_signal(self) -> None:
+        self.notifier.reloading()
+        try:
+            self.relay.reload()
+        finally:
+            self.notifier.ready(status_line(self.relay))
+
+    async def _shutdown(self) -> None:
+        relay = self.relay
+        timeout = relay.config.process.drain_timeout_s
+        log.info("draining: up to %gs for %d connection(s)", timeout, len(relay.connections))
+        self.notifier.stopping(f"draining: {len(relay.connections)} connection(s) open")
+        try:
+            ended = await drain(relay, timeout, force=self.force, report=self.notifier.status)
+            if ended:
+                log.info("drain timeout: ended %d exchange(s) and WebSocket(s)", ended)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.worker is not None:
+                with contextlib.suppress(OSError):
+                    metrics.write_snapshot(self.worker.metrics_dir, metrics.snapshot(relay))
+            await relay.stop()
+            self.notifier.status("stopped")
+            self.notifier.close()
+            log.info("stopped")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def _announce(self) -> None:
+        """READY=1 once the table is ready (listeners are bound by then), then STATUS=."""
+        relay = self.relay
+        while not relay.ready():
+            if relay.draining:
+                return
+            await asyncio.sleep(0.05)
+        line = status_line(relay)
+        self.notifier.ready(line)
+        log.info("ready: %s", line)
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            new = status_line(relay)
+            if new != line:
+                self.notifier.status(new)
+                line = new
+
+    async def _watchdog(self, interval_s: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval_s)
+
+    async def _snapshots(self, directory: Path) -> None:
+        while True:
+            try:
+                metrics.write_snapshot(directory, metrics.snapshot(self.relay))
+            except OSError as exc:
+                log.warning("cannot write the metrics snapshot: %s", exc)
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)

@@ -1,0 +1,110 @@
+"""sd_notify(3) without libsystemd: readiness, stopping, reload, status and watchdog pings.
+
+The protocol is one datagram per notification on the ``AF_UNIX`` socket named by
+``$NOTIFY_SOCKET`` (a path, or an abstract name written with a leading ``@``), holding
+newline-separated ``KEY=VALUE`` assignments (``READY=1``, ``STOPPING=1``, ``STATUS=…``,
+``WATCHDOG=1``, ``RELOADING=1`` with ``MONOTONIC_USEC=…``). With ``NotifyAccess=main`` only
+the main process may send, so a supervisor forwards its workers' readiness itself
+(``relay.workers`` gives each worker a notify socket of its own, speaking this same protocol).
+
+``$WATCHDOG_USEC`` is set when the unit has ``WatchdogSec=``; sd_watchdog_enabled(3) says to
+ping at half of it and to ignore it when ``$WATCHDOG_PID`` names another process.
+
+A notification is best effort: a full or missing socket is logged at debug level and
+otherwise ignored, as libsystemd does; relay never blocks on systemd.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+log = logging.getLogger("relay.systemd")
+
+
+def notify_address(env: Mapping[str, str]) -> str | None:
+    """The socket address to send to: a path, or an abstract name starting with NUL."""
+    raw = env.get("NOTIFY_SOCKET", "")
+    if not raw:
+        return None
+    if raw.startswith("@"):
+        return "\0" + raw[1:]
+    if raw.startswith("/"):
+        return raw
+    return None  # sd_notify(3) accepts only absolute paths and abstract names
+
+
+def watchdog_interval_s(env: Mapping[str, str], pid: int) -> float | None:
+    """Seconds between ``WATCHDOG=1`` pings (half the timeout), or None when not enabled."""
+    raw = env.get("WATCHDOG_USEC", "")
+    if not raw.isdigit() or int(raw) == 0:
+        return None
+    owner = env.get("WATCHDOG_PID", "")
+    if owner and (not owner.isdigit() or int(owner) != pid):
+        return None
+    return int(raw) / 2_000_000
+
+
+def message(**fields: str | int) -> bytes:
+    """``KEY=VALUE`` lines; a newline inside a value would start a new assignment."""
+    lines = []
+    for key, value in fields.items():
+        text = str(value).replace("\n", " ")
+        lines.append(f"{key}={text}")
+    return "\n".join(lines).encode()
+
+
+class Notifier:
+    """Sends notifications to ``$NOTIFY_SOCKET``; every method is a no-op without one."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, pid: int | None = None) -> None:
+        env = os.environ if env is None else env
+        self.address = notify_address(env)
+        self.watchdog_s = watchdog_interval_s(env, os.getpid() if pid is None else pid)
+        self._sock: socket.socket | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.address is not None
+
+    def send(self, **fields: str | int) -> bool:
+        if self.address is None:
+            return False
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.setblocking(False)
+        try:
+            self._sock.sendto(message(**fields), self.address)
+        except OSError as exc:
+            log.debug("sd_notify to %r failed: %s", self.address, exc)
+            return False
+        return True
+
+    def ready(self, status: str = "") -> bool:
+        if status:
+            return self.send(READY=1, STATUS=status)
+        return self.send(READY=1)
+
+    def reloading(self) -> bool:
+        # systemd >= 253 wants the monotonic time with RELOADING=1 (sd_notify(3)).
+        now_us = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        return self.send(RELOADING=1, MONOTONIC_USEC=now_us)
+
+    def stopping(self, status: str = "") -> bool:
+        if status:
+            return self.send(STOPPING=1, STATUS=status)
+        return self.send(STOPPING=1)
+
+    def status(self, text: str) -> bool:
+        return self.send(STATUS=text)
+
+    def watchdog(self) -> bool:
+        return self.send(WATCHDOG=1)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

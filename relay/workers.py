@@ -1,0 +1,455 @@
+"""``process.workers > 1``: a supervisor and that many worker processes (SPEC §6).
+
+Each worker is a full ``relay serve`` started with ``$RELAY_WORKER`` set: it binds the data
+listeners itself with ``SO_REUSEPORT`` (the kernel spreads new connections over the workers'
+sockets), runs its own route feed, and drains on SIGTERM like a single relay. Workers are
+spawned (a fresh interpreter each), not forked from a process that already runs an event loop.
+
+The supervisor owns what there must be one of:
+
+- **systemd**: it is the main process (``NotifyAccess=main``). Workers speak sd_notify to the
+  supervisor's own datagram socket (sender identified by ``SCM_CREDENTIALS``); ``READY=1``
+  goes to systemd once every worker has said ``READY=1``. Workers also ping a watchdog there;
+  a worker silent for :data:`WORKER_WATCHDOG_S` is killed and restarted.
+- **signals**: SIGTERM/SIGINT are forwarded to every worker (each drains for up to
+  ``process.drain_timeout_s``; stragglers are killed a little after that), SIGHUP too (each
+  worker reloads).
+- **the admin port**: ``/readyz`` asks every worker's ``/readyz`` (over a Unix socket in the run
+  directory) and is 200 only when all are; ``/routes`` is one worker's (all follow the same
+  feed); ``/metrics`` merges the workers' snapshot files (``relay.metrics``) and adds the
+  supervisor's own ``process_*``/``python_*`` families.
+- **restarts**: a worker that exits while relay is not stopping is restarted after
+  :func:`restart_delay` (exponential backoff, reset once a worker has run for
+  :data:`STABLE_S`). A worker that dies before all workers were first ready stops the whole
+  relay instead (exit 2 for a configuration error, else 1): a broken start would only loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from relay import metrics
+from relay.config import Config, ConfigError, split_address
+from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, admin_socket
+from relay.preflight import host_checks
+from relay.systemd import Notifier
+
+log = logging.getLogger("relay.workers")
+
+BACKOFF_FIRST_S = 0.2
+BACKOFF_MAX_S = 10.0
+STABLE_S = 30.0
+WORKER_WATCHDOG_S = 30.0  # a ready worker that has not pinged for this long is killed
+KILL_GRACE_S = 5.0  # after drain_timeout_s, before stragglers get SIGKILL
+ADMIN_QUERY_TIMEOUT_S = 1.0
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+# -- pure decisions ---------------------------------------------------------------------------
+def restart_delay(failures: int) -> float:
+    """Seconds to wait before restarting a worker that failed ``failures`` times in a row."""
+    if failures <= 0:
+        return 0.0
+    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1)))
+
+
+def next_failures(previous: int, ran_for_s: float) -> int:
+    """Consecutive failures after a worker exits: a long enough run resets the count."""
+    return 1 if ran_for_s >= STABLE_S else previous + 1
+
+
+def parse_notification(data: bytes) -> dict[str, str]:
+    """``KEY=VALUE`` lines of an sd_notify datagram."""
+    out = {}
+    for line in data.decode("utf-8", "replace").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key:
+            out[key] = value
+    return out
+
+
+def startup_exit_code(returncode: int | None) -> int:
+    """The supervisor's exit code when a worker died during start-up."""
+    return 2 if returncode == 2 else 1
+
+
+def worker_env(
+    base: Mapping[str, str], index: int, run_dir: Path, watchdog_s: float
+) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in base.items()
+        if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+    }
+    env[WORKER_ENV] = str(index)
+    env[RUN_DIR_ENV] = str(run_dir)
+    env["NOTIFY_SOCKET"] = str(run_dir / "notify.sock")
+    env["WATCHDOG_USEC"] = str(int(watchdog_s * 1_000_000))
+    return env
+
+
+def preflight(config: Config) -> None:
+    """What the workers would each refuse, checked once before any is spawned (exit 2)."""
+    for i, address in enumerate(config.listen.addresses):
+        parsed = split_address(address)
+        if parsed is not None and parsed[1] == 0:
+            raise ConfigError(
+                f"listen.address[{i}]: port 0 with process.workers > 1 would give each worker "
+                "a different port"
+            )
+    if config.source is None:
+        raise ConfigError("process.workers: workers need a configuration file to start from")
+    host_checks(config)
+
+
+def supervises(config: Config, env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return config.process.workers > 1 and WORKER_ENV not in env
+
+
+# -- the supervisor ---------------------------------------------------------------------------
+@dataclass
+class Worker:
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    ready: bool = False
+    last_ping: float = 0.0
+    failures: int = 0
+    restarts: int = 0
+    status: str = ""
+    waiter: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        if self.proc is None or self.proc.returncode is not None:
+            return None
+        return self.proc.pid
+
+
+class Supervisor:
+    def __init__(self, config: Config, log_level: str) -> None:
+        self.config = config
+        self.log_level = log_level
+        self.notifier = Notifier()
+        self.workers = [Worker(i) for i in range(config.process.workers)]
+        self.run_dir = Path()
+        self.draining = False
+        self.stop = asyncio.Event()
+        self.all_ready = asyncio.Event()
+        self.startup_failed: int | None = None
+        self._sock: socket.socket | None = None
+        self._admin: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.admin_bound: tuple[str, int] | None = None
+
+    # -- run --------------------------------------------------------------------------------
+    async def run(self) -> int:
+        base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+        self.run_dir = Path(tempfile.mkdtemp(prefix="relay-", dir=base))
+        (self.run_dir / "metrics").mkdir()
+        try:
+            return await self._run()
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def _run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._open_notify_socket()
+        await self._start_admin()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+        if self.notifier.watchdog_s:
+            self._spawn(self._watchdog(self.notifier.watchdog_s))
+        self.notifier.status(f"starting {len(self.workers)} workers")
+        for worker in self.workers:
+            await self._start_worker(worker)
+        self._spawn(self._monitor())
+        started = asyncio.ensure_future(self.all_ready.wait())
+        stopped = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        stopped.cancel()
+        if self.startup_failed is None and not self.stop.is_set():
+            self.notifier.ready(self._status())
+            log.info("all %d workers ready", len(self.workers))
+            await self.stop.wait()
+        code = self.startup_failed if self.startup_failed is not None else 0
+        await self._shutdown()
+        return code
+
+    async def _shutdown(self) -> None:
+        self.draining = True
+        self.notifier.stopping("draining workers")
+        self._signal_all(signal.SIGTERM)
+        deadline = self.config.process.drain_timeout_s + KILL_GRACE_S
+        waiters = [w.waiter for w in self.workers if w.waiter is not None]
+        if waiters:
+            _, pending = await asyncio.wait(waiters, timeout=deadline)
+            if pending:
+                log.error("%d worker(s) did not stop in time: killing them", len(pending))
+                self._signal_all(signal.SIGKILL)
+                await asyncio.wait(pending, timeout=5)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        if self._sock is not None:
+            loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+        if self._admin is not None:
+            await self._admin.cleanup()
+        self.notifier.status("stopped")
+        self.notifier.close()
+        log.info("supervisor stopped")
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- workers ----------------------------------------------------------------------------
+    async def _start_worker(self, worker: Worker) -> None:
+        assert self.config.source is not None
+        env = worker_env(os.environ, worker.index, self.run_dir, WORKER_WATCHDOG_S / 2)
+        worker.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "relay",
+            "serve",
+            "--config",
+            str(self.config.source),
+            "--log-level",
+            self.log_level,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        worker.started_at = worker.last_ping = time.monotonic()
+        worker.ready = False
+        worker.status = "starting"
+        log.info("worker %d started: pid %d", worker.index, worker.proc.pid)
+        worker.waiter = self._spawn(self._wait_worker(worker, worker.proc))
+
+    async def _wait_worker(self, worker: Worker, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        ran_for = time.monotonic() - worker.started_at
+        worker.ready = False
+        if self.draining or self.stop.is_set():
+            log.info("worker %d (pid %d) exited: %s", worker.index, proc.pid, code)
+            return
+        log.error("worker %d (pid %d) died: exit %s", worker.index, proc.pid, code)
+        if not self.all_ready.is_set():
+            self.startup_failed = startup_exit_code(code)
+            self.stop.set()
+            return
+        worker.failures = next_failures(worker.failures, ran_for)
+        delay = restart_delay(worker.failures)
+        log.info("restarting worker %d in %.1fs", worker.index, delay)
+        await asyncio.sleep(delay)
+        if self.draining or self.stop.is_set():
+            return
+        worker.restarts += 1
+        await self._start_worker(worker)
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        for worker in self.workers:
+            if worker.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, sig)
+
+    async def _monitor(self) -> None:
+        """Kill a ready worker whose event loop stopped pinging (its restart follows)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for worker in self.workers:
+                pid = worker.pid
+                if pid is not None and worker.ready and now - worker.last_ping > WORKER_WATCHDOG_S:
+                    log.error("worker %d (pid %d) stopped answering: killing it", worker.index, pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+
+    # -- notifications from workers ------------------------------------------------------
+    def _open_notify_socket(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        sock.bind(str(self.run_dir / "notify.sock"))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.setblocking(False)
+        self._sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._on_notify)
+
+    def _on_notify(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data, ancdata, _flags, _addr = self._sock.recvmsg(
+                    4096, socket.CMSG_SPACE(_CREDENTIALS.size)
+                )
+            except (BlockingIOError, InterruptedError):
+                return
+            pid = None
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = _CREDENTIALS.unpack(cdata[: _CREDENTIALS.size])[0]
+            worker = next((w for w in self.workers if w.pid is not None and w.pid == pid), None)
+            if worker is not None:
+                self._worker_says(worker, parse_notification(data))
+
+    def _worker_says(self, worker: Worker, fields: dict[str, str]) -> None:
+        worker.last_ping = time.monotonic()
+        if "STATUS" in fields:
+            worker.status = fields["STATUS"]
+        if fields.get("READY") == "1" and not worker.ready:
+            worker.ready = True
+            log.info("worker %d (pid %s) ready", worker.index, worker.pid)
+            if all(w.ready for w in self.workers) and not self.all_ready.is_set():
+                self.all_ready.set()
+            self.notifier.status(self._status())
+        if fields.get("STOPPING") == "1":
+            worker.ready = False
+
+    def _status(self) -> str:
+        ready = sum(1 for w in self.workers if w.ready)
+        return f"{ready}/{len(self.workers)} workers ready"
+
+    # -- signals ----------------------------------------------------------------------------
+    def _on_stop_signal(self, sig: signal.Signals) -> None:
+        if self.stop.is_set():
+            self._signal_all(sig)  # a second signal: the workers cut their drains short
+        self.draining = True
+        self.stop.set()
+
+    def _on_reload_signal(self) -> None:
+        log.info("reload requested: forwarding SIGHUP to the workers")
+        self.notifier.reloading()
+        self._signal_all(signal.SIGHUP)
+        self.notifier.ready(self._status())
+
+    async def _watchdog(self, interval_s: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval_s)
+
+    # -- admin ------------------------------------------------------------------------------
+    async def _start_admin(self) -> None:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/routes", self._routes)
+        registry = metrics.registry_for(MergedCollector(self))
+        app.router.add_get("/metrics", lambda _r: self._metrics(registry))
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        parsed = split_address(self.config.admin.address)
+        assert parsed is not None
+        site = web.TCPSite(runner, parsed[0], parsed[1], reuse_address=True)
+        await site.start()
+        self._admin = runner
+        server = site._server
+        if server is not None and server.sockets:  # type: ignore[attr-defined]
+            name = server.sockets[0].getsockname()  # type: ignore[attr-defined]
+            self.admin_bound = (name[0], name[1])
+
+    async def _ask(self, worker: Worker, path: str) -> tuple[int, bytes] | None:
+        """GET ``path`` from a worker's admin socket; None when it does not answer."""
+        if worker.pid is None:
+            return None
+        connector = aiohttp.UnixConnector(path=str(admin_socket(self.run_dir, worker.index)))
+        timeout = aiohttp.ClientTimeout(total=ADMIN_QUERY_TIMEOUT_S)
+        try:
+            async with (
+                aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+                session.get(f"http://worker{path}") as response,
+            ):
+                return response.status, await response.read()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        answers = await asyncio.gather(*(self._ask(w, "/readyz") for w in self.workers))
+        workers = [
+            {
+                "index": w.index,
+                "pid": w.pid,
+                "ready": answer is not None and answer[0] == 200,
+                "restarts": w.restarts,
+            }
+            for w, answer in zip(self.workers, answers, strict=True)
+        ]
+        # A worker waiting to be restarted holds no listening socket, so it takes no traffic:
+        # the relay is ready when every running worker is (and one at least runs).
+        running = [w for w in workers if w["pid"] is not None]
+        ready = not self.draining and bool(running) and all(w["ready"] for w in running)
+        body = {"ready": ready, "draining": self.draining, "workers": workers}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def _routes(self, _request: web.Request) -> web.Response:
+        for worker in self.workers:
+            answer = await self._ask(worker, "/routes")
+            if answer is not None and answer[0] == 200:
+                return web.Response(body=answer[1], content_type="application/json")
+        return web.json_response({"code": 503, "message": "no worker answered"}, status=503)
+
+    async def _metrics(self, registry: Any) -> web.Response:
+        body = metrics.exposition(registry)
+        return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    def live_pids(self) -> set[int]:
+        return {w.pid for w in self.workers if w.pid is not None}
+
+
+class MergedCollector(Collector):
+    """relay_* over all workers' snapshot files, plus the supervisor's own families."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.supervisor
+        snaps = metrics.read_snapshots(sup.run_dir / "metrics")
+        live = sup.live_pids()
+        yield from metrics.families(
+            list(snaps.values()), [s for p, s in snaps.items() if p in live]
+        )
+        workers = GaugeMetricFamily("relay_workers", "Worker processes, by state", labels=["state"])
+        workers.add_metric(["configured"], len(sup.workers))
+        workers.add_metric(["running"], len(live))
+        workers.add_metric(["ready"], sum(1 for w in sup.workers if w.ready))
+        yield workers
+        restarts = CounterMetricFamily("relay_worker_restarts", "Workers restarted after dying")
+        restarts.add_metric([], sum(w.restarts for w in sup.workers))
+        yield restarts
+
+
+def supervise(config: Config, log_level: str) -> int:
+    """Run the supervisor until SIGTERM; the process's exit code."""
+    import uvloop  # noqa: PLC0415
+
+    preflight(config)
+    return uvloop.run(Supervisor(config, log_level).run())

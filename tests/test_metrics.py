@@ -1,0 +1,192 @@
+"""Admin /metrics (SPEC §7): relay_* families with bounded labels, process_/python_ families,
+merging across workers; /routes without tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import WSMsgType, web
+from aiohttp.test_utils import TestServer
+
+from relay.metrics import SPECS, families, read_snapshots, write_snapshot
+from relay.observe import Histogram
+from tests.support.harness import DOMAIN, RelayUnderTest, free_port, route, running_relay
+from tests.support.ops import get, samples, value
+from tests.support.rawhttp import request
+
+
+# -- pure ---------------------------------------------------------------------------------------
+def test_histogram_buckets_are_upper_bounds_inclusive() -> None:
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 1.0, 3.0):
+        h.observe(v)
+    assert h.counts == [2, 2, 1]
+    assert h.total == pytest.approx(4.65)
+
+
+def _snap(pid: int, requests: int, connections: int, routes: int) -> dict[str, Any]:
+    return {
+        "pid": pid,
+        "counters": {"relay_requests": [[["envd", "2xx"], requests]]},
+        "histograms": {"relay_upstream_connect_seconds": [[[], [1] + [0] * 13, 0.0004]]},
+        "gauges": {
+            "relay_client_connections": [[[], connections]],
+            "relay_routes": [[[], routes]],
+            "relay_feed_ready": [[[], 1 if pid != 3 else 0]],
+        },
+    }
+
+
+def test_families_merge_workers() -> None:
+    alive, also_alive, dead = _snap(1, 5, 2, 10), _snap(3, 7, 4, 12), _snap(2, 100, 50, 9)
+    out = {m.name: m for m in families([alive, also_alive, dead], [alive, also_alive])}
+    (requests,) = out["relay_requests"].samples
+    assert requests.value == 112  # counters: every worker that ever ran
+    (connections,) = out["relay_client_connections"].samples
+    assert connections.value == 6  # gauges: live workers only, summed
+    assert out["relay_routes"].samples[0].value == 12  # max
+    assert out["relay_feed_ready"].samples[0].value == 0  # min: one worker is not ready
+    count = next(
+        s for s in out["relay_upstream_connect_seconds"].samples if s.name.endswith("count")
+    )
+    assert count.value == 3
+
+
+def test_snapshot_files_round_trip(tmp_path: Path) -> None:
+    write_snapshot(tmp_path, _snap(7, 1, 1, 1))
+    (tmp_path / "8.json").write_text("{trunc")  # a torn file is skipped, not fatal
+    assert list(read_snapshots(tmp_path)) == [7]
+
+
+def test_every_spec_has_bounded_labels() -> None:
+    allowed = {"kind", "status_class", "reason", "direction", "source", "result", "version"}
+    for name, spec in SPECS.items():
+        assert name.startswith("relay_")
+        assert set(spec.labels) <= allowed, name
+
+
+# -- a relay under traffic ----------------------------------------------------------------------
+@pytest.fixture
+async def upstream() -> AsyncIterator[TestServer]:
+    async def ws(request: web.Request) -> web.WebSocketResponse:
+        socket = web.WebSocketResponse()
+        await socket.prepare(request)
+        async for msg in socket:
+            if msg.type is WSMsgType.TEXT:
+                await socket.send_str(msg.data)
+        return socket
+
+    async def hello(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(text="0123456789")
+
+    app = web.Application()
+    app.router.add_get("/ws", ws)
+    app.router.add_route("*", "/{tail:.*}", hello)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+async def _scrape(relay: RelayUnderTest) -> str:
+    assert relay.relay.admin_bound is not None
+    status, body = await get(relay.relay.admin_bound[1], "/metrics")
+    assert status == 200
+    return body.decode()
+
+
+async def test_metrics_under_traffic(tmp_path: Path, upstream: TestServer) -> None:
+    port = upstream.port
+    assert port is not None
+    routes = [
+        route("metricsbox", envd_token="envd-tok", traffic_token="app-tok"),
+        route("closedbox", insecure=True),
+    ]
+    overrides = {"upstream": {"envd_port": port}}
+    async with running_relay(tmp_path, routes, overrides) as relay:
+        envd = f"{port}-metricsbox.{DOMAIN}"
+        app_port = free_port()  # nothing listens there: a refused dial
+        for token in ("envd-tok", "wrong-tok"):
+            await request(relay.port, "POST", "/x", envd, [("X-Access-Token", token)], b"abcd")
+        await request(relay.port, "GET", "/", f"{port}-nosuchbox.{DOMAIN}")
+        await request(relay.port, "GET", "/", f"{app_port}-closedbox.{DOMAIN}")
+        await request(relay.port, "GET", "/", envd)  # no credential at all
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(
+                f"{relay.url}/ws", headers={"Host": envd, "X-Access-Token": "envd-tok"}
+            ) as ws,
+        ):
+            await ws.send_str("hi")
+            assert (await ws.receive(2)).data == "hi"
+            text = await _scrape(relay)
+            assert value(text, "relay_active_websockets") == 1
+            assert value(text, "relay_client_connections") == 1
+        text = await _scrape(relay)
+    assert value(text, "relay_requests_total", kind="envd", status_class="2xx") == 1
+    assert value(text, "relay_requests_total", kind="envd", status_class="1xx") == 1  # the 101
+    assert value(text, "relay_requests_total", kind="refused", status_class="4xx") == 2
+    assert value(text, "relay_requests_total", kind="refused", status_class="5xx") == 1
+    assert value(text, "relay_requests_total", kind="app", status_class="5xx") == 1
+    assert value(text, "relay_auth_failures_total", reason="envd_token") == 2
+    assert value(text, "relay_refusals_total", reason="not_found") == 1
+    assert value(text, "relay_refusals_total", reason="port_closed") == 1
+    assert value(text, "relay_upstream_connect_errors_total", reason="refused") == 1
+    assert value(text, "relay_upstream_connect_seconds_count") == 1  # the WS reused it
+    assert value(text, "relay_first_byte_seconds_count", kind="envd") == 2
+    assert value(text, "relay_bytes_total", direction="in") >= 4 + 2 + 4  # body + WS frames
+    assert value(text, "relay_websocket_sessions_total") == 1
+    assert value(text, "relay_routes") == 2
+    assert value(text, "relay_feed_ready") == 1
+    assert any(k[0].startswith("process_") for k in samples(text))
+    assert any(k[0].startswith("python_") for k in samples(text))
+    for sandbox_id in ("metricsbox", "closedbox", "nosuchbox"):
+        assert sandbox_id not in text
+    for token in ("envd-tok", "app-tok", "wrong-tok"):
+        assert token not in text
+
+
+async def test_feed_revocation_and_rejection_metrics(tmp_path: Path) -> None:
+    async with running_relay(tmp_path, [route("feedbox", insecure=True)]) as relay:
+        relay.set_routes([{"sandbox_id": "badbox", "address": "8.8.8.8", "insecure": True}])
+        text = await _scrape(relay)
+        assert value(text, "relay_revocations_total") == 1
+        assert value(text, "relay_route_rejections_total", source="file") == 1
+        assert value(text, "relay_routes") == 0
+        relay.routes_file.write_text("{broken")
+        relay.relay.feed.load()
+        await asyncio.sleep(0.05)
+        text = await _scrape(relay)
+        assert value(text, "relay_feed_errors_total", source="file") == 1
+        assert value(text, "relay_feed_staleness_seconds") > 0
+        relay.set_routes([route("feedbox", insecure=True)])
+        text = await _scrape(relay)
+        assert value(text, "relay_feed_staleness_seconds") == 0
+    for sandbox_id in ("feedbox", "badbox", "8.8.8.8"):
+        assert sandbox_id not in text
+
+
+async def test_routes_endpoint_shows_no_token(tmp_path: Path) -> None:
+    routes = [
+        route("routesbox", envd_token="envd-secret-1", traffic_token="traffic-secret-1"),
+        route("openbox", "10.1.2.3", insecure=True, generation=4),
+    ]
+    async with running_relay(tmp_path, routes) as relay:
+        assert relay.relay.admin_bound is not None
+        status, body = await get(relay.relay.admin_bound[1], "/routes")
+    assert status == 200
+    assert b"secret" not in body
+    listed = json.loads(body)
+    assert listed["count"] == 2
+    assert [(r["sandbox_id"], r["address"], r["generation"]) for r in listed["routes"]] == [
+        ("openbox", "10.1.2.3", 4),
+        ("routesbox", "127.0.0.1", 0),
+    ]
+    assert listed["routes"][1]["has_traffic_token"] is True

@@ -1,0 +1,222 @@
+"""``process.workers > 1``: supervisor, SO_REUSEPORT workers, restarts, merged metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from relay.config import ConfigError, load, parse
+from relay.workers import (
+    BACKOFF_MAX_S,
+    STABLE_S,
+    next_failures,
+    parse_notification,
+    preflight,
+    restart_delay,
+    startup_exit_code,
+    supervises,
+    worker_env,
+)
+from tests.support.harness import DOMAIN, RelayProcess, config_data, free_port, route, to_toml
+from tests.support.ops import get, value
+from tests.support.rawhttp import request
+
+
+# -- pure ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("failures", "delay"), [(0, 0.0), (1, 0.2), (2, 0.4), (3, 0.8), (10, BACKOFF_MAX_S)]
+)
+def test_restart_backoff(failures: int, delay: float) -> None:
+    assert restart_delay(failures) == pytest.approx(delay)
+
+
+def test_a_long_run_resets_the_failure_count() -> None:
+    assert next_failures(5, STABLE_S + 1) == 1
+    assert next_failures(5, 1.0) == 6
+
+
+def test_parse_notification() -> None:
+    assert parse_notification(b"READY=1\nSTATUS=a=b\ngarbage\n") == {"READY": "1", "STATUS": "a=b"}
+
+
+def test_startup_exit_code() -> None:
+    assert startup_exit_code(2) == 2  # a configuration error stays one
+    assert startup_exit_code(1) == 1
+    assert startup_exit_code(-9) == 1
+
+
+def test_worker_env(tmp_path: Path) -> None:
+    base = {"PATH": "/bin", "NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_PID": "1"}
+    env = worker_env(base, 3, tmp_path, 15.0)
+    assert env["NOTIFY_SOCKET"] == str(tmp_path / "notify.sock")  # the supervisor's, not systemd's
+    assert env["WATCHDOG_USEC"] == "15000000"
+    assert "WATCHDOG_PID" not in env
+    assert env["RELAY_WORKER"] == "3"
+    assert env["PATH"] == "/bin"
+
+
+def test_supervises_only_outside_a_worker() -> None:
+    config = parse({"process": {"workers": 2}})
+    assert supervises(config, {})
+    assert not supervises(config, {"RELAY_WORKER": "0"})
+    assert not supervises(parse({}), {})
+
+
+def test_preflight_refuses_port_0(tmp_path: Path) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(to_toml(config_data(tmp_path, {"process": {"workers": 2}})))
+    with pytest.raises(ConfigError, match=r"^listen\.address\[0\]: port 0"):
+        preflight(load(path))
+
+
+# -- a real supervisor --------------------------------------------------------------------------
+@pytest.fixture
+async def upstream() -> AsyncIterator[TestServer]:
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", ok)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+async def _readyz(relay: RelayProcess) -> tuple[int, dict[str, object]]:
+    status, body = await get(relay.admin_port, "/readyz")
+    return status, json.loads(body)
+
+
+async def _metrics(relay: RelayProcess) -> str:
+    return (await get(relay.admin_port, "/metrics"))[1].decode()
+
+
+async def _wait_requests(relay: RelayProcess, count: int, timeout: float = 5.0) -> str:
+    """Workers write their snapshots once a second: wait for them to add up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = await _metrics(relay)
+        seen = value(text, "relay_requests_total", kind="app", status_class="2xx")
+        if seen == count or time.monotonic() > deadline:
+            assert seen == count
+            return text
+        await asyncio.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_two_workers_restart_and_metrics_add_up(tmp_path: Path, upstream: TestServer) -> None:
+    overrides = {"process": {"workers": 2, "drain_timeout_s": 2}}
+    relay = RelayProcess(tmp_path, [route("workerbox", insecure=True)], overrides)
+    relay.start(timeout=20)
+    host = f"{upstream.port}-workerbox.{DOMAIN}"
+    try:
+        status, ready = await _readyz(relay)
+        assert status == 200
+        workers = ready["workers"]
+        assert isinstance(workers, list)
+        pids = [w["pid"] for w in workers]
+        assert len(set(pids)) == 2
+        assert relay.proc is not None
+        assert relay.proc.pid not in pids
+        # New connections spread over both workers' sockets (SO_REUSEPORT).
+        for _ in range(20):
+            assert (await request(relay.port, "GET", "/", host)).status == 200
+        text = await _wait_requests(relay, 20)
+        assert value(text, "relay_workers", state="running") == 2
+        assert value(text, "relay_routes") == 1  # a gauge: max over workers, not a sum
+
+        victim = pids[0]
+        os.kill(victim, signal.SIGKILL)
+        # Until the kernel has closed the dead worker's socket, connections hashed to it are
+        # reset (an SO_REUSEPORT property, see docs/operations.md); the supervisor logs the
+        # death once it reaped the process, by which time the socket is gone.
+        deadline = time.monotonic() + 5
+        while f"(pid {victim}) died" not in relay.output():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        for _ in range(10):  # the other worker keeps serving meanwhile
+            assert (await request(relay.port, "GET", "/", host)).status == 200
+        deadline = time.monotonic() + 10
+        while True:
+            status, ready = await _readyz(relay)
+            workers = ready["workers"]
+            assert isinstance(workers, list)
+            new_pids = [w["pid"] for w in workers]
+            if status == 200 and victim not in new_pids and None not in new_pids:
+                break
+            assert time.monotonic() < deadline, ready
+            await asyncio.sleep(0.1)
+        assert not _alive(victim)
+        assert workers[0]["restarts"] == 1
+        for _ in range(10):
+            assert (await request(relay.port, "GET", "/", host)).status == 200
+        # The killed worker's requests still count: totals never go backwards.
+        text = await _wait_requests(relay, 40)
+        assert value(text, "relay_worker_restarts_total") == 1
+        assert value(text, "relay_workers", state="ready") == 2
+        assert any(line.startswith("process_") for line in text.splitlines())
+
+        routes = json.loads((await get(relay.admin_port, "/routes"))[1])
+        assert routes["count"] == 1
+
+        relay.proc.send_signal(signal.SIGHUP)  # forwarded: each worker reloads
+        deadline = time.monotonic() + 5
+        while relay.output().count("reload requested") < 3:  # supervisor + 2 workers
+            assert time.monotonic() < deadline, relay.output()
+            await asyncio.sleep(0.05)
+
+        relay.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(relay.proc.wait, 15) == 0
+        for pid in new_pids:
+            assert isinstance(pid, int)
+            assert not _alive(pid)
+    finally:
+        relay.stop()
+    output = relay.output()
+    assert "[worker 0]" in output
+    assert "[worker 1]" in output
+    assert "restarting worker 0" in output
+
+
+def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path) -> None:
+    port = free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))  # without SO_REUSEPORT: the workers cannot bind
+    blocker.listen()
+    try:
+        data = config_data(tmp_path, {"process": {"workers": 2}}, port=port)
+        (tmp_path / "routes.json").write_text('{"routes": []}')
+        config = tmp_path / "relay.toml"
+        config.write_text(to_toml(data))
+        result = subprocess.run(
+            [sys.executable, "-m", "relay", "serve", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        blocker.close()
+    assert result.returncode == 1, result.stderr
+    assert "died: exit 1" in result.stderr
+    assert "restarting" not in result.stderr
