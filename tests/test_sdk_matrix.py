@@ -62,9 +62,10 @@ OLD, MID, NEW = VERSIONS
 GAP_225_CONTROL_PLANE = (
     "2.25's `Sandbox.connect()` puts `E2b-Sandbox-Id`/`E2b-Sandbox-Port` on the control-plane "
     "call `POST /sandboxes/<id>/connect` (E2B PR #1272). relay honours routing headers on every "
-    "Host (SPEC §1), so it routes that call to the sandbox's envd port instead of the management "
-    'upstream and refuses it there: 401 (no envd token on an API call), or 502 "The sandbox was '
-    "not found\" for an unknown id. `Sandbox.create()` (Harbor's path) is unaffected."
+    "Host (SPEC §1; E2B's own proxy reads them only on `sandbox.*` and local hosts, notes §8.2), "
+    "so it routes that call to the sandbox's envd port instead of the management upstream and "
+    'refuses it there: 401 (an API call carries no envd token), or 502 "The sandbox was not '
+    "found\" for an unknown id. `Sandbox.create()` (Harbor's path) is unaffected."
 )
 GAP_225_NO_HEADERS = (
     "A 2.25 `connect()` handle sends no routing headers to envd (notes §1.2); with a fixed "
