@@ -46,7 +46,7 @@ WRONG_ID = "sdkmatrixwrongtoken"
 GHOST_ID = "sdkmatrixghost"
 UNKNOWN_ID = "sdkmatrixunknown"
 API_KEY = "e2b_" + "0" * 40
-RUN_TIMEOUT_S = 240.0
+RUN_TIMEOUT_S = 180.0  # a run takes ~10 s; the SDK's own timeouts are 60 s
 
 # Variables of the test's own environment that must not reach the SDK process: the SDK's
 # settings, proxies and trust stores are set per run.
@@ -150,7 +150,7 @@ async def _wait_routes(relay: RelayProcess, count: int, timeout: float = 10.0) -
             if body.get("routes") == count:
                 return
         await asyncio.sleep(0.05)
-    raise TimeoutError(f"relay did not report {count} routes")
+    raise RuntimeError(f"relay did not report {count} routes within {timeout} s")
 
 
 async def run_one(python: Path, version: str, form: str, tmp: Path) -> RunResult:
@@ -211,23 +211,13 @@ async def run_one(python: Path, version: str, form: str, tmp: Path) -> RunResult
             stderr=asyncio.subprocess.PIPE,
             limit=1 << 20,
         )
-        assert process.stdout is not None
-        assert process.stdin is not None
         stderr_task = asyncio.create_task(_read_all(process.stderr))
         try:
             async with asyncio.timeout(RUN_TIMEOUT_S):
-                while raw := await process.stdout.readline():
-                    if not raw.startswith(b"{"):
-                        continue
-                    line = json.loads(raw)
-                    lines.append(line)
-                    if line.get("event") == "remove-route":
-                        # As a control plane would: rewrite the file; relay notices the change.
-                        write_routes(relay.routes_file, routes[1:])
-                        await _wait_routes(relay, len(routes) - 1)
-                        process.stdin.write(b"removed\n")
-                        await process.stdin.drain()
-                await process.wait()
+                await _drive(process, relay, routes, lines)
+        except TimeoutError:
+            # Every row this run did not reach fails, with this line to say why.
+            lines.append({"check": "scenario", "observed": f"timed out after {RUN_TIMEOUT_S} s"})
         finally:
             if process.returncode is None:
                 process.kill()
@@ -263,6 +253,29 @@ async def run_one(python: Path, version: str, form: str, tmp: Path) -> RunResult
         tokens=tokens,
         app_port=app.port,
     )
+
+
+async def _drive(
+    process: asyncio.subprocess.Process,
+    relay: RelayProcess,
+    routes: list[dict[str, Any]],
+    lines: list[dict[str, Any]],
+) -> None:
+    """Collect the driver's JSON lines; remove the main sandbox's route when it asks."""
+    assert process.stdout is not None
+    assert process.stdin is not None
+    while raw := await process.stdout.readline():
+        if not raw.startswith(b"{"):
+            continue
+        line = json.loads(raw)
+        lines.append(line)
+        if line.get("event") == "remove-route":
+            # As a control plane would: rewrite the file; relay notices the change.
+            write_routes(relay.routes_file, routes[1:])
+            await _wait_routes(relay, len(routes) - 1)
+            process.stdin.write(b"removed\n")
+            await process.stdin.drain()
+    await process.wait()
 
 
 async def _read_all(stream: asyncio.StreamReader | None) -> bytes:
