@@ -72,13 +72,15 @@ _TIMEOUT = re.compile(r"^/sandboxes/([^/]+)/timeout$")
 
 
 class FakeApi(FakeServer):
-    """Known sandboxes answer connect/info/kill; ``create`` hands out ``created`` (or 404s)."""
+    """Known sandboxes answer connect/info/kill; ``create`` hands out the sandbox that
+    ``templates`` maps the requested ``templateID`` to, else ``created`` (else 404)."""
 
     def __init__(
         self,
         sandboxes: Iterable[SandboxInfo] = (),
         *,
         created: SandboxInfo | None = None,
+        templates: Mapping[str, SandboxInfo] | None = None,
         api_key: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -86,6 +88,7 @@ class FakeApi(FakeServer):
         super().__init__(host=host, port=port)
         self.sandboxes: dict[str, SandboxInfo] = {s.sandbox_id: s for s in sandboxes}
         self.created = created
+        self.templates = dict(templates or {})
         self.api_key = api_key
         self.killed: list[str] = []
 
@@ -93,7 +96,7 @@ class FakeApi(FakeServer):
         self.sandboxes[sandbox.sandbox_id] = sandbox
 
     async def _handle(self, request: web.BaseRequest, record: RecordHandle) -> web.StreamResponse:
-        await read_body(request, record)
+        body = await read_body(request, record)
         if self.api_key is not None and request.headers.get("X-API-Key") != self.api_key:
             return _error(401, "Invalid API key")
         method, path = request.method, request.path
@@ -102,7 +105,7 @@ class FakeApi(FakeServer):
         if method == "POST" and (match := _CONNECT.match(path)):
             return self._with_sandbox(match[1], lambda s: _json(200, s.to_json()))
         if method == "POST" and _CREATE.match(path):
-            return self._create()
+            return self._create(body)
         if match := _ONE.match(path):
             if method == "GET":
                 return self._with_sandbox(match[1], lambda s: _json(200, s.detail_json()))
@@ -119,11 +122,17 @@ class FakeApi(FakeServer):
         response: web.Response = answer(sandbox)
         return response
 
-    def _create(self) -> web.Response:
-        if self.created is None:
-            return _error(404, "the fake API was given no sandbox to create")
-        self.add(self.created)
-        return _json(201, self.created.to_json())
+    def _create(self, body: bytes) -> web.Response:
+        try:
+            template = json.loads(body).get("templateID") if body else None
+        except (ValueError, AttributeError):
+            return _error(400, "request body is not a JSON object")
+        sandbox = self.templates.get(template) if isinstance(template, str) else None
+        sandbox = sandbox or self.created
+        if sandbox is None:
+            return _error(404, f"the fake API was given no sandbox to create from {template!r}")
+        self.add(sandbox)
+        return _json(201, sandbox.to_json())
 
     def _kill(self, sandbox: SandboxInfo) -> web.Response:
         self.killed.append(sandbox.sandbox_id)

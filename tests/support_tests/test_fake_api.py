@@ -41,3 +41,18 @@ async def test_connect_create_info_kill(http: aiohttp.ClientSession) -> None:
         async with http.get(f"{api.url}/health") as r:
             assert r.status == 401
     assert api.killed == ["ixk3q7abcdefghij"]
+
+
+async def test_create_by_template(http: aiohttp.ClientSession) -> None:
+    other = SandboxInfo(sandbox_id="othersandbox", envd_access_token="other")
+    async with FakeApi(templates={"base": SANDBOX, "other": other}) as api:
+        for template, sandbox_id in (("other", "othersandbox"), ("base", SANDBOX.sandbox_id)):
+            body = {"templateID": template, "timeout": 300}
+            async with http.post(f"{api.url}/sandboxes", json=body) as r:
+                assert r.status == 201
+                assert (await r.json())["sandboxID"] == sandbox_id
+        async with http.post(f"{api.url}/v2/sandboxes", json={"templateID": "nope"}) as r:
+            assert r.status == 404
+        # A created sandbox is known afterwards, as after a real create.
+        async with http.post(f"{api.url}/v2/sandboxes/othersandbox/connect", json={}) as r:
+            assert (await r.json())["envdAccessToken"] == "other"

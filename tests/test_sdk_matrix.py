@@ -1,0 +1,410 @@
+"""The unmodified E2B Python SDK (2.25.0, 2.52.0, 2.63.0) through a real relay, both URL forms.
+
+Each SDK release lives in its own cached virtualenv (tests/.cache/, created on first use; the
+whole matrix is skipped, saying why, when the package index is unreachable). The six runs
+(3 versions, 2 URL forms) go in parallel, each with its own relay process, fakes and driver process
+(``tests/support/sdk_matrix.py``, ``tests/support/sdk_scenario.py``).
+
+``EXPECTED`` says what every cell must show: by default the check passes (``observed == "ok"``);
+the entries below name the version-specific exception a correct SDK raises, and the known gaps
+with the exact behaviour asserted. Any other outcome fails the cell. The results go to
+``tests/.cache/sdk-matrix.json``, from which ``tests/support/compat_table.py`` renders README.md's
+compatibility table; ``test_readme_table_matches_last_run`` keeps the committed table honest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from tests.support import compat_table
+from tests.support.harness import DOMAIN
+from tests.support.records import RequestRecord
+from tests.support.sdk_matrix import (
+    FORMS,
+    GHOST_ID,
+    MAIN_ID,
+    UNKNOWN_ID,
+    WRONG_ID,
+    RunResult,
+    run_one,
+)
+from tests.support.sdk_venv import CACHE, SdkUnavailable, ensure_sdk
+
+VERSIONS = ("2.25.0", "2.52.0", "2.63.0")  # Harbor's pin, the notes' reference, newest on PyPI
+README = Path(__file__).resolve().parents[1] / "README.md"
+RESULTS = CACHE / "sdk-matrix.json"
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Expect:
+    observed: str  # regex, matched at the start of the driver's "observed"
+    status: str = "pass"  # "pass" | "gap" | "n/a"
+    label: str = ""  # short text in the table cell
+    note: str = ""  # footnote under the table (gaps, n/a)
+
+
+OK = Expect("ok$")
+OLD, MID, NEW = VERSIONS
+
+# -- the known gaps, asserted exactly ------------------------------------------------------------
+
+GAP_225_CONTROL_PLANE = (
+    "2.25's `Sandbox.connect()` puts `E2b-Sandbox-Id`/`E2b-Sandbox-Port` on the control-plane "
+    "call `POST /sandboxes/<id>/connect` (E2B PR #1272). relay honours routing headers on every "
+    "Host (SPEC §1; E2B's own proxy reads them only on `sandbox.*` and local hosts, notes §8.2), "
+    "so it routes that call to the sandbox's envd port instead of the management upstream and "
+    'refuses it there: 401 (an API call carries no envd token), or 502 "The sandbox was not '
+    "found\" for an unknown id. `Sandbox.create()` (Harbor's path) is unaffected."
+)
+GAP_225_NO_HEADERS = (
+    "A 2.25 `connect()` handle sends no routing headers to envd (notes §1.2); with a fixed "
+    "`E2B_SANDBOX_URL` nothing in the request names the sandbox, so relay passes it to the "
+    "management upstream (here the fake API: 404 → `NotFoundException`; without a management "
+    "upstream relay answers 404 itself). The Host form routes it by name. Handle obtained with "
+    "the control plane reached directly (see [1])."
+)
+GAP_FIXED_SIGNED_URL = (
+    "With a fixed `E2B_SANDBOX_URL` the SDK signs `<E2B_SANDBOX_URL>/files?…`: no sandbox id "
+    "anywhere (notes §1.2), so relay has no target and passes the request, signature stripped, "
+    "to the management upstream (here the fake API: 404); without one relay answers 404. "
+    "Signed URLs need the Host form."
+)
+NA_CLOSE_STDIN = "2.25 has no `commands.close_stdin`."
+
+TIMEOUT_NOT_FOUND = Expect("TimeoutException: The sandbox was not found", label="TimeoutException")
+NOT_RUNNING = Expect(
+    "SandboxNotRunningException: The sandbox was not found", label="SandboxNotRunningException"
+)
+
+# Rows of the table, in order; the driver's check names plus the test's own.
+ROWS = [
+    "Sandbox.create",
+    "Sandbox.connect",
+    "envd calls on a connect() handle",
+    "commands.run output",
+    "commands.run non-zero exit",
+    "commands.run output arrives incrementally",
+    "background command, connect(pid), kill",
+    "commands stdin (send_stdin)",
+    "commands close_stdin",
+    "commands.run timeout (AsyncSandbox)",
+    "PTY create, send_stdin, resize, output",
+    "files write/read text",
+    "files write/read 1 MiB binary",
+    "files list, make_dir, rename, remove, exists",
+    "files.read missing file → NotFound",
+    "files gzip write/read",
+    "watch_dir (sync, polling)",
+    "AsyncSandbox.create",
+    "watch_dir (AsyncSandbox)",
+    "download_url",
+    "download_url with expiration",
+    "upload_url",
+    "upload_url with expiration",
+    "is_running() while routed",
+    "app port behind traffic token (403 without, 200 with)",
+    "WebSocket on app port",
+    "wrong envd token",
+    "unknown sandbox (control plane)",
+    "sandbox without a route: commands.run",
+    "sandbox without a route: is_running()",
+    "is_running() after route removed",
+    "commands.run after route removed",
+    "no credential reached envd, app or API",
+    "no token or signature in relay's output",
+]
+
+
+def expected(row: str, version: str, form: str) -> Expect:
+    if row == "Sandbox.connect" and version == OLD:
+        return Expect(
+            "AuthenticationException: 401: Unauthorized, please check your credentials. - "
+            "unauthorized access, please provide a valid access token or method signing if "
+            "supported$",
+            status="gap",
+            label="AuthenticationException",
+            note=GAP_225_CONTROL_PLANE,
+        )
+    if row == "unknown sandbox (control plane)":
+        if version == OLD:
+            return Expect(
+                "SandboxException: 502: The sandbox was not found$",
+                status="gap",
+                label="SandboxException 502",
+                note=GAP_225_CONTROL_PLANE,
+            )
+        return Expect(
+            f"SandboxNotFoundException: Paused sandbox {UNKNOWN_ID} not found$",
+            label="SandboxNotFoundException",
+        )
+    if row == "envd calls on a connect() handle" and version == OLD and form == "fixed":
+        return Expect(
+            "NotFoundException: POST /process.Process/Start is not served by the fake API$",
+            status="gap",
+            label="NotFoundException",
+            note=GAP_225_NO_HEADERS,
+        )
+    if row.startswith(("download_url", "upload_url")) and form == "fixed":
+        method = "GET" if row.startswith("download") else "POST"
+        return Expect(
+            re.escape(
+                f'AssertionError: HTTP 404: {{"code": 404, "message": '
+                f'"{method} /files is not served by the fake API"}}'
+            )
+            + "$",
+            status="gap",
+            label="404",
+            note=GAP_FIXED_SIGNED_URL,
+        )
+    if row == "commands close_stdin" and version == OLD:
+        return Expect("n/a: ", status="n/a", note=NA_CLOSE_STDIN)
+    if row == "is_running() while routed":
+        return Expect("returned True$", label="True")
+    if row in ("is_running() after route removed", "sandbox without a route: is_running()"):
+        return Expect("returned False$", label="False")
+    if row == "wrong envd token":
+        return Expect(
+            "AuthenticationException: unauthorized access, please provide a valid access token",
+            label="AuthenticationException",
+        )
+    if row in ("sandbox without a route: commands.run", "commands.run after route removed"):
+        return NOT_RUNNING if version == NEW else TIMEOUT_NOT_FOUND
+    return OK
+
+
+# -- checks made by the test on what reached the fakes and what relay printed ----------------------
+
+CREDENTIAL_HEADERS = ("x-access-token", "e2b-traffic-access-token")
+SIGNATURE_PARAMS = ("signature", "signature_expiration")
+
+
+def credential_leaks(run: RunResult) -> list[str]:
+    leaks = []
+    sources: list[tuple[str, list[RequestRecord]]] = [
+        ("envd", run.envd_records),
+        ("app", run.app_records),
+        ("api", run.api_records),
+    ]
+    for name, records in sources:
+        for record in records:
+            what = f"{name}: {record.method} {record.path}"
+            for header in CREDENTIAL_HEADERS:
+                if record.has_header(header):
+                    leaks.append(f"{what} carried {header}")
+            leaked_params = {n.lower() for n in record.query_names()} & set(SIGNATURE_PARAMS)
+            if leaked_params:
+                leaks.append(f"{what} carried {sorted(leaked_params)}")
+            raw = record.target + "".join(v for _, v in record.headers)
+            leaks.extend(f"{what} carried a token" for t in run.tokens.all() if t in raw)
+    return leaks
+
+
+def output_leaks(run: RunResult) -> list[str]:
+    found = [f"token {t[:8]}…" for t in run.tokens.all() if t in run.relay_output]
+    found += [marker for marker in ("v1_", "signature=") if marker in run.relay_output]
+    return found
+
+
+def observed_by_the_test(run: RunResult) -> dict[str, str]:
+    leaks = credential_leaks(run)
+    printed = output_leaks(run)
+    return {
+        "no credential reached envd, app or API": "ok" if not leaks else "; ".join(leaks[:5]),
+        "no token or signature in relay's output": "ok" if not printed else ", ".join(printed),
+    }
+
+
+# -- the matrix ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Matrix:
+    runs: dict[tuple[str, str], RunResult]
+    observed: dict[tuple[str, str], dict[str, str]]
+    details: dict[tuple[str, str], dict[str, str]]
+    cells: dict[str, dict[str, dict[str, str]]]
+    install_seconds: dict[str, float]
+    seconds: float
+    failures: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+
+
+def _install_all() -> tuple[dict[str, Path], dict[str, float]]:
+    with ThreadPoolExecutor(len(VERSIONS)) as pool:
+        futures = {v: pool.submit(ensure_sdk, v) for v in VERSIONS}
+        try:
+            done = {v: f.result() for v, f in futures.items()}
+        except SdkUnavailable as exc:
+            pytest.skip(str(exc))
+    return {v: d[0] for v, d in done.items()}, {v: round(d[1], 1) for v, d in done.items()}
+
+
+async def _run_all(pythons: dict[str, Path], tmp: Path) -> tuple[list[RunResult], float]:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    runs = await asyncio.gather(
+        *(run_one(pythons[v], v, f, tmp / f"{v}-{f}") for v in VERSIONS for f in FORMS)
+    )
+    return list(runs), loop.time() - started
+
+
+def _evaluate(runs: list[RunResult]) -> Matrix:
+    matrix = Matrix(
+        runs={},
+        observed={},
+        details={},
+        cells={row: {} for row in ROWS},
+        install_seconds={},
+        seconds=0.0,
+    )
+    for run in runs:
+        key = (run.version, run.form)
+        matrix.runs[key] = run
+        observed = {name: check.observed for name, check in run.checks.items()}
+        observed |= observed_by_the_test(run)
+        matrix.observed[key] = observed
+        matrix.details[key] = {name: check.detail for name, check in run.checks.items()}
+        failures = []
+        for name in observed.keys() - set(ROWS):
+            failures.append(f"{name}: not a row of the table (observed {observed[name]!r})")
+        for row in ROWS:
+            want = expected(row, *key)
+            got = observed.get(row)
+            cell = {"status": want.status, "label": want.label, "note": want.note}
+            if got is None or not re.match(want.observed, got):
+                cell = {"status": "FAIL", "label": "", "note": ""}
+                detail = matrix.details[key].get(row, "")
+                failures.append(f"{row}: expected /{want.observed}/, observed {got!r}\n{detail}")
+            matrix.cells[row][f"{run.version}/{run.form}"] = cell
+        matrix.failures[key] = failures
+    return matrix
+
+
+def _write_results(matrix: Matrix) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "versions": list(VERSIONS),
+        "forms": list(FORMS),
+        "rows": ROWS,
+        "cells": matrix.cells,
+        # Not part of the table: for people reading the file.
+        "seconds": round(matrix.seconds, 1),
+        "install_seconds": matrix.install_seconds,
+        "run_seconds": {f"{v}/{f}": round(r.seconds, 1) for (v, f), r in matrix.runs.items()},
+    }
+    RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Matrix:
+    pythons, install_seconds = _install_all()
+    runs, seconds = uvloop.run(_run_all(pythons, tmp_path_factory.mktemp("sdk-matrix")))
+    result = _evaluate(runs)
+    result.install_seconds = install_seconds
+    result.seconds = seconds
+    _write_results(result)
+    return result
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sdk_matrix_column(matrix: Matrix, version: str, form: str) -> None:
+    run = matrix.runs[(version, form)]
+    failures = matrix.failures[(version, form)]
+    assert not failures, (
+        "\n".join(failures)
+        + f"\ndriver stderr:\n{run.driver_stderr[-3000:]}"
+        + f"\nrelay output:\n{run.relay_output[-3000:]}"
+    )
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_host_form_went_through_the_tunnel_proxy_to_relay_tls(matrix: Matrix, version: str) -> None:
+    """The Host form really used names under the test domain, over TLS, via the proxy only."""
+    run = matrix.runs[(version, "host")]
+    assert run.refused == []
+    assert set(run.tunnels) == {
+        f"api.{DOMAIN}:443",
+        f"49983-{MAIN_ID}.{DOMAIN}:443",
+        f"49983-{WRONG_ID}.{DOMAIN}:443",
+        f"49983-{GHOST_ID}.{DOMAIN}:443",
+        f"{run.app_port}-{MAIN_ID}.{DOMAIN}:443",
+    }
+    # relay preserves Host; only the main sandbox's requests got past relay's checks.
+    assert {r.header("Host") for r in run.envd_records} == {f"49983-{MAIN_ID}.{DOMAIN}"}
+    assert {r.header("Host") for r in run.app_records} == {f"{run.app_port}-{MAIN_ID}.{DOMAIN}"}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_225_connect_control_plane_call_is_routed_by_its_headers(matrix: Matrix, form: str) -> None:
+    """E2B PR #1272: relay takes 2.25's control-plane connect call for an envd request."""
+    run = matrix.runs[(OLD, form)]
+    calls = [
+        entry
+        for entry in run.access_log()
+        if entry["method"] == "POST"
+        and entry["path"]
+        in (
+            f"/sandboxes/{MAIN_ID}/connect",
+            f"/sandboxes/{UNKNOWN_ID}/connect",
+        )
+    ]
+    by_path = {(e["path"], e["sandbox_id"], e["status"], e["reason"]) for e in calls}
+    assert by_path == {
+        (f"/sandboxes/{MAIN_ID}/connect", MAIN_ID, 401, "envd_token"),
+        (f"/sandboxes/{UNKNOWN_ID}/connect", UNKNOWN_ID, 502, "not_found"),
+    }, calls
+    # Refused by relay: envd never saw them, and the control plane saw only the driver's own
+    # direct call (made to get a 2.25 connect() handle at all).
+    assert not [r for r in run.envd_records if r.path.startswith("/sandboxes/")]
+    connects = [r.path for r in run.api_records if r.path.endswith("/connect")]
+    assert connects == [f"/sandboxes/{MAIN_ID}/connect"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fixed_url_requests_without_target_reach_the_management_upstream(
+    matrix: Matrix, version: str
+) -> None:
+    """Signed URLs (and 2.25's connect() handle) with a fixed E2B_SANDBOX_URL name no sandbox."""
+    run = matrix.runs[(version, "fixed")]
+    files = [r for r in run.api_records if r.path == "/files"]
+    assert sorted(r.method for r in files) == ["GET", "GET", "POST", "POST"]
+    assert all(r.query_names() == {"path"} for r in files), [r.target for r in files]
+    # relay's access log: no sandbox named, the management upstream's 404 passed on.
+    logged = [e for e in run.access_log() if e["path"] == "/files" and e["sandbox_id"] is None]
+    assert [e["status"] for e in logged] == [404] * 4, logged
+    envd_rpc_at_api = [r.path for r in run.api_records if r.path.startswith("/process.")]
+    assert envd_rpc_at_api == (["/process.Process/Start"] if version == OLD else [])
+
+
+def test_matrix_ran_every_row(matrix: Matrix) -> None:
+    for key, observed in matrix.observed.items():
+        assert set(ROWS) <= set(observed), (key, set(ROWS) - set(observed))
+
+
+def test_readme_table_matches_last_run(matrix: Matrix) -> None:
+    section = compat_table.render(json.loads(RESULTS.read_text()))
+    committed = compat_table.current_section(README.read_text())
+    assert committed == section, (
+        "README.md's SDK compatibility table differs from the last run; regenerate it with "
+        "`python tests/support/compat_table.py --write README.md`"
+    )
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fixed_url_only_the_routed_sandbox_reached_envd(matrix: Matrix, version: str) -> None:
+    """Wrong token, no route, unknown id, removed route: relay answered all of them itself."""
+    run = matrix.runs[(version, "fixed")]
+    assert run.envd_records
+    assert {r.header("E2b-Sandbox-Id") for r in run.envd_records} == {MAIN_ID}
+    assert {r.header("E2b-Sandbox-Port") for r in run.envd_records} == {"49983"}
