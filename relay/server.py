@@ -125,7 +125,9 @@ class ClientConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # A client half-close ends the connection once the running response is written;
         # HTTP/1.1 gives a half-closed client no way to send another request.
-        if self.active is None:
+        # Over TLS asyncio closes the connection at EOF whatever this returns (a half-closed
+        # TLS stream cannot carry the rest of a response), so only plain TCP keeps it.
+        if self.active is None or self.tls:
             return False
         self.closing = True
         return True

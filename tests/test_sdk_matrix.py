@@ -61,11 +61,12 @@ OLD, MID, NEW = VERSIONS
 
 GAP_225_CONTROL_PLANE = (
     "2.25's `Sandbox.connect()` puts `E2b-Sandbox-Id`/`E2b-Sandbox-Port` on the control-plane "
-    "call `POST /sandboxes/<id>/connect` (E2B PR #1272). relay honours routing headers on every "
-    "Host (SPEC §1; E2B's own proxy reads them only on `sandbox.*` and local hosts, notes §8.2), "
-    "so it routes that call to the sandbox's envd port instead of the management upstream and "
+    "call `POST /sandboxes/<id>/connect` (E2B PR #1272). relay ignores routing headers on "
+    "`api.<domain>` (so the Host form works), but with a fixed URL the API shares relay's "
+    "address with envd, the headers route the call to the sandbox's envd port, and relay "
     'refuses it there: 401 (an API call carries no envd token), or 502 "The sandbox was not '
-    "found\" for an unknown id. `Sandbox.create()` (Harbor's path) is unaffected."
+    'found" for an unknown id. Point `E2B_API_URL` at `https://api.<domain>` to avoid it; '
+    "`Sandbox.create()` (Harbor's path) is unaffected."
 )
 GAP_225_NO_HEADERS = (
     "A 2.25 `connect()` handle sends no routing headers to envd (notes §1.2); with a fixed "
@@ -127,7 +128,7 @@ ROWS = [
 
 
 def expected(row: str, version: str, form: str) -> Expect:
-    if row == "Sandbox.connect" and version == OLD:
+    if row == "Sandbox.connect" and version == OLD and form == "fixed":
         return Expect(
             "AuthenticationException: 401: Unauthorized, please check your credentials. - "
             "unauthorized access, please provide a valid access token or method signing if "
@@ -137,7 +138,7 @@ def expected(row: str, version: str, form: str) -> Expect:
             note=GAP_225_CONTROL_PLANE,
         )
     if row == "unknown sandbox (control plane)":
-        if version == OLD:
+        if version == OLD and form == "fixed":
             return Expect(
                 "SandboxException: 502: The sandbox was not found$",
                 status="gap",
@@ -345,10 +346,21 @@ def test_host_form_went_through_the_tunnel_proxy_to_relay_tls(matrix: Matrix, ve
     assert {r.header("Host") for r in run.app_records} == {f"{run.app_port}-{MAIN_ID}.{DOMAIN}"}
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_225_connect_control_plane_call_is_routed_by_its_headers(matrix: Matrix, form: str) -> None:
-    """E2B PR #1272: relay takes 2.25's control-plane connect call for an envd request."""
-    run = matrix.runs[(OLD, form)]
+def test_225_connect_control_plane_call_on_the_api_host_reaches_the_api(matrix: Matrix) -> None:
+    """E2B PR #1272: on ``api.<domain>`` relay ignores 2.25's routing headers."""
+    run = matrix.runs[(OLD, "host")]
+    connects = [r for r in run.api_records if r.path.endswith("/connect")]
+    assert {r.path for r in connects} == {
+        f"/sandboxes/{MAIN_ID}/connect",
+        f"/sandboxes/{UNKNOWN_ID}/connect",
+    }
+    assert all(r.has_header("E2b-Sandbox-Id") for r in connects)  # 2.25 did send them
+    assert not [r for r in run.envd_records if r.path.startswith("/sandboxes/")]
+
+
+def test_225_connect_control_plane_call_is_routed_by_its_headers(matrix: Matrix) -> None:
+    """With a fixed URL relay takes 2.25's control-plane connect call for an envd request."""
+    run = matrix.runs[(OLD, "fixed")]
     calls = [
         entry
         for entry in run.access_log()

@@ -11,10 +11,16 @@ Two forms, checked in order:
 Unlike E2B's Go proxy, which silently ignores routing headers on a non-shared Host, relay
 honours both and refuses a request whose two forms disagree: a request never goes to a
 sandbox other than the one every part of it names.
+
+One exception: ``api.<domain>`` is the control plane's own host, and a request to it is always
+a management request, routing headers or not. SDK 2.25 put ``E2b-Sandbox-Id``/``-Port`` on its
+control-plane ``POST /sandboxes/<id>/connect`` (E2B PR #1272); honouring them there would send
+the SDK's API call to the sandbox's envd and break ``Sandbox.connect()`` on Harbor's pin.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import re
 
@@ -69,7 +75,19 @@ def normalise_host(value: bytes) -> str | None:
     return host
 
 
-def target_from_host(host: str, domains: tuple[str, ...]) -> Target | Reject | None:
+class ApiHost(enum.Enum):
+    """The Host is ``api.<domain>``: a management request whatever its headers say."""
+
+    API = "api"
+
+
+API_HOST = ApiHost.API
+API_LABEL = "api"
+
+HostForm = Target | Reject | ApiHost | None
+
+
+def target_from_host(host: str, domains: tuple[str, ...]) -> HostForm:
     """The Host form. ``domains`` are lower-case, longest first, so the most specific wins."""
     for domain in domains:
         if host == domain or not host.endswith(domain) or host[-len(domain) - 1] != ".":
@@ -80,8 +98,10 @@ def target_from_host(host: str, domains: tuple[str, ...]) -> Target | Reject | N
                 reason=Reason.BAD_HOST,
                 detail=f"Invalid host: only one label may precede the domain {domain}",
             )
+        if labels == API_LABEL:
+            return API_HOST
         if _PORT_LABEL.match(labels) is None:
-            return None  # sandbox.<domain>, api.<domain>, ...: no target in the name
+            return None  # sandbox.<domain> and other names: no target in the name
         parts = labels.split("-")
         port = parse_port(parts[0])
         if port is None:
@@ -113,7 +133,7 @@ def target_from_headers(
 
 
 @functools.lru_cache(maxsize=4096)
-def host_target(value: bytes, domains: tuple[str, ...]) -> tuple[bool, Target | Reject | None]:
+def host_target(value: bytes, domains: tuple[str, ...]) -> tuple[bool, HostForm]:
     """(Host is well-formed, what the Host form says), memoised: a relay sees the same few
     thousand hosts over and over, and parsing one costs more than the rest of ``decide``.
     The cache is bounded, so hostile hosts only evict each other."""
@@ -135,9 +155,11 @@ def find_target(
 
 
 def combine(
-    from_host: Target | Reject | None, ids: list[bytes] | None, ports: list[bytes] | None
+    from_host: HostForm, ids: list[bytes] | None, ports: list[bytes] | None
 ) -> Target | Reject | None:
     """The Host form's answer joined with the header form's."""
+    if from_host is API_HOST:
+        return None  # the control plane's host: routing headers are not looked at
     if isinstance(from_host, Reject):
         return from_host
     from_headers = target_from_headers(ids, ports)

@@ -113,6 +113,17 @@ def reason_of(decision: Forward | Reject) -> Reason | Kind:
         pytest.param(
             head(
                 headers=(
+                    (b"Host", b"api.e2b.test"),
+                    (b"E2b-Sandbox-Id", b"sbx1"),
+                    (b"E2b-Sandbox-Port", b"49983"),
+                )
+            ),
+            Kind.MANAGEMENT,
+            id="api-host-ignores-routing-headers",
+        ),
+        pytest.param(
+            head(
+                headers=(
                     (b"Host", b"localhost"),
                     (b"E2b-Sandbox-Id", b"sbx1"),
                     (b"E2b-Sandbox-Port", b"49983"),

@@ -7,7 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relay.core.model import Reject, Target
-from relay.core.target import find_target, normalise_host, parse_port, target_from_host
+from relay.core.target import (
+    API_HOST,
+    ApiHost,
+    find_target,
+    normalise_host,
+    parse_port,
+    target_from_host,
+)
 
 DOMAINS = ("e2b.example.com", "sandbox.localhost")
 
@@ -24,7 +31,7 @@ DOMAINS = ("e2b.example.com", "sandbox.localhost")
         ("1-a.e2b.example.com", Target("a", 1)),
         ("65535-a.e2b.example.com", Target("a", 65535)),
         ("sandbox.e2b.example.com", None),
-        ("api.e2b.example.com", None),
+        ("api.e2b.example.com", API_HOST),
         ("e2b.example.com", None),
         ("localhost", None),
         ("other.org", None),
@@ -32,7 +39,7 @@ DOMAINS = ("e2b.example.com", "sandbox.localhost")
         ("foo-bar.e2b.example.com", None),
     ],
 )
-def test_host_form(host: str, expected: Target | None) -> None:
+def test_host_form(host: str, expected: Target | ApiHost | None) -> None:
     assert target_from_host(host, DOMAINS) == expected
 
 
@@ -114,6 +121,12 @@ def test_bad_headers_are_400(ids: list[bytes] | None, ports: list[bytes] | None)
     result = find_target("sandbox.e2b.example.com", ids, ports, DOMAINS)
     assert isinstance(result, Reject)
     assert result.status == 400
+
+
+def test_routing_headers_are_ignored_on_the_api_host() -> None:
+    # SDK 2.25 sends them on its control-plane connect call (E2B PR #1272).
+    assert find_target("api.e2b.example.com", [b"abc"], [b"49983"], DOMAINS) is None
+    assert find_target("api.e2b.example.com", [b"abc"], None, DOMAINS) is None
 
 
 def test_host_and_headers_must_agree() -> None:

@@ -251,40 +251,16 @@ def ws_handshake(url: str, headers: dict[str, str]) -> tuple[socket.socket, int]
 def connect_handle() -> Any:
     """What ``Sandbox.connect(MAIN_ID)`` gives a user of this release.
 
-    2.25's connect() puts E2b-Sandbox-Id/Port on the control-plane call (E2B PR #1272), which
-    relay routes to envd (the "Sandbox.connect" check shows it). To still see what the envd calls
-    of a 2.25 connect() handle do (no routing headers; notes §1.2), the control plane is reached
-    directly: with the real ``Sandbox.connect(api_url=...)`` where plain HTTP allows it, and in
-    the Host form (one proxied transport per process in 2.25) by building the handle exactly as
-    2.25's ``_cls_connect_sandbox`` does from the API's answer.
+    2.25's connect() puts E2b-Sandbox-Id/Port on the control-plane call (E2B PR #1272). relay
+    ignores routing headers on ``api.<domain>``, so in the Host form the real connect() works
+    through relay. With a fixed URL the API shares relay's address with envd and the headers
+    route the call to envd (the "Sandbox.connect" check shows it); to still see what the envd
+    calls of a 2.25 connect() handle do there (no routing headers; notes §1.2), the control
+    plane is reached directly with the real ``Sandbox.connect(api_url=...)``.
     """
-    if not HTTPX_TRANSPORT or not CONFIG.get("relay"):
+    if not HTTPX_TRANSPORT or not CONFIG.get("relay") or FORM == "host":
         return Sandbox.connect(MAIN_ID, **OPTS)
-    api = CONFIG["api_direct_url"]
-    if FORM != "host":
-        return Sandbox.connect(MAIN_ID, api_url=api, **OPTS)
-    from e2b.connection_config import ConnectionConfig
-    from packaging.version import Version  # an e2b dependency
-
-    status, body, _ = fetch(
-        f"{api}/sandboxes/{MAIN_ID}/connect",
-        method="POST",
-        data=b'{"timeout": 300}',
-        headers={"Content-Type": "application/json", "X-API-Key": os.environ["E2B_API_KEY"]},
-    )
-    expect(status == 200, f"control plane answered {status}: {body!r}")
-    info = json.loads(body)
-    token = info.get("envdAccessToken")
-    return Sandbox(
-        sandbox_id=info["sandboxID"],
-        sandbox_domain=info.get("domain"),
-        connection_config=ConnectionConfig(
-            extra_sandbox_headers={"X-Access-Token": token} if token else {}, **OPTS
-        ),
-        envd_version=Version(info["envdVersion"]),
-        envd_access_token=token,
-        traffic_access_token=info.get("trafficAccessToken"),
-    )
+    return Sandbox.connect(MAIN_ID, api_url=CONFIG["api_direct_url"], **OPTS)
 
 
 # -- checks on one sandbox handle (sync SDK) -----------------------------------------------------
