@@ -217,10 +217,13 @@ class Exchange:
         fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
         if not keep:
             fields = (*fields, (b"Connection", b"close"))
+        # A response to HEAD has no content (RFC 9110 §9.3.2): bytes after the head would be
+        # read as the start of the next response on a kept-alive connection.
+        body = b"" if self.head.method == b"HEAD" else answer.body
         self.client.write(
-            serialise_response(answer.status, reason_phrase(answer.status), fields) + answer.body
+            serialise_response(answer.status, reason_phrase(answer.status), fields) + body
         )
-        self.bytes_out += len(answer.body)
+        self.bytes_out += len(body)
         self.response_complete = True
         self._pending = []
         if self.request_complete or not keep:

@@ -387,7 +387,6 @@ async def test_absolute_and_asterisk_forms_are_refused(
     assert await hostile.recorder.nothing_since(mark, settle=0.02)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: relay answers HEAD with a body")
 async def test_head_answer_has_no_body(hostile: Hostile) -> None:
     """RFC 9110 §9.3.2: relay's own answer to a HEAD carries no content, or the next response
     on the connection would be read from the middle of it (a response desync)."""
