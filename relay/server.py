@@ -44,6 +44,7 @@ class ClientConnection(asyncio.Protocol):
         "_headers",
         "_in_head",
         "_paused",
+        "_refusal",
         "_url",
         "active",
         "closing",
@@ -72,6 +73,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_raw = 0
         self._in_head = False
         self._paused = 0
+        self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
         self.write_paused = False
         self.active: Exchange | None = None  # the exchange whose response is being written
         self.receiving: Exchange | None = None  # the exchange whose body is being parsed
@@ -250,7 +252,7 @@ class ClientConnection(asyncio.Protocol):
         if exchange is not self.active:
             return
         self.active = None
-        if not keep_alive or self.closing or self.parser is None:
+        if not keep_alive or self.closing or (self.parser is None and self._refusal is None):
             self.close()
             return
         if self.queue:
@@ -258,6 +260,9 @@ class ClientConnection(asyncio.Protocol):
             if not self.queue:
                 self.resume(PAUSE_QUEUE)
             self.active.start()
+            return
+        if self._refusal is not None:
+            self.refuse(self._refusal)  # every earlier request is answered: now the refusal
             return
         self.resume(PAUSE_QUEUE)
         if not self._in_head:
@@ -341,15 +346,38 @@ class ClientConnection(asyncio.Protocol):
             self.abort()
 
     def _parse_error(self, exc: Exception) -> None:
-        if self.active is not None and self.active.response_started():
-            self.abort()  # a framing error mid-body: the exchange cannot be completed
-            return
         detail = str(exc) or type(exc).__name__
         if isinstance(exc, httptools.HttpParserInvalidMethodError):
             detail = "Invalid HTTP method"
         elif isinstance(exc, httptools.HttpParserInvalidURLError):
             detail = "Invalid request target"
-        self.refuse(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
+        self._unparseable(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
+
+    def _unparseable(self, reject: Reject) -> None:
+        """Nothing more can be parsed from this connection: refuse, in order, then close.
+
+        Responses go out in request order (RFC 9112 §9.3.2): a refusal found while earlier
+        pipelined requests are still being answered waits for them, so that it is never taken
+        for the answer to one of them.
+        """
+        broken, self.receiving = self.receiving, None
+        active = self.active
+        if active is not None and broken is active:
+            # The active request's own body is malformed: it cannot be completed.
+            if active.answered():
+                self.close()  # its answer is written; let it flush
+            elif active.response_started():
+                self.abort()
+            else:
+                self.refuse(reject)
+            return
+        if broken is not None:
+            self.queue.remove(broken)  # a queued request's body: it never started
+        if active is None:
+            self.refuse(reject)
+            return
+        self.parser = None
+        self._refusal = reject
 
 
 class Timers:

@@ -475,9 +475,6 @@ async def test_ten_pipelined_requests_with_and_without_bodies(hostile: Hostile) 
     ],
     ids=["obs-fold", "cl-te", "bad-chunk", "bare-lf", "te-identity"],
 )
-@pytest.mark.xfail(
-    strict=True, reason="bug: a framing error is answered before earlier pipelined responses"
-)
 async def test_ten_pipelined_with_one_malformed(hostile: Hostile, malformed: bytes) -> None:
     """Requests before the malformed one are forwarded once and answered in order; then the
     refusal, then the connection closes; nothing after it reaches the upstream."""
@@ -533,3 +530,18 @@ async def test_a_request_after_the_last_chunk_is_a_new_request(hostile: Hostile)
         answers = await read_all(conn, 2)
     assert [a[0] for a in answers] == [200, 404]
     assert [r.target for r in recorder.requests_since(mark)] == [b"/files"]
+
+
+async def test_a_malformed_request_behind_a_streaming_response_waits_for_it(
+    hostile: Hostile,
+) -> None:
+    """The response already streaming is finished, whole, before the refusal and the close."""
+    host = hostile.app
+    async with connected(hostile.port) as conn:
+        await conn.send(_get(host, "/stream?n=5&interval=0.05") + b"GET /bad HTTP/1.1\n\n")
+        stream = await conn.read_response(timeout=5)
+        assert stream.complete
+        assert stream.body == b"".join(b"event %d\n" % i for i in range(5))
+        refusal = await conn.read_response(timeout=5)
+        assert refusal.status == 400
+        assert await conn.closed_by_peer(2)
