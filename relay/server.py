@@ -43,8 +43,10 @@ class ClientConnection(asyncio.Protocol):
         "_head_raw",
         "_headers",
         "_in_head",
+        "_moved",
         "_paused",
         "_refusal",
+        "_stalled",
         "_url",
         "active",
         "closing",
@@ -72,6 +74,8 @@ class ClientConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._head_raw = 0
         self._in_head = False
+        self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
+        self._stalled = 0  # bytes fed since llhttp last delivered any of those
         self._paused = 0
         self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
         self.write_paused = False
@@ -108,6 +112,7 @@ class ClientConnection(asyncio.Protocol):
             return  # after an upgrade handshake or a refusal: nothing more is parsed
         if self._in_head or self.active is None:
             self._head_raw += len(data)
+        self._moved = False
         try:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -121,8 +126,22 @@ class ClientConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._parse_error(exc)
             return
-        if self._in_head and self._head_raw > self.relay.config.listen.max_header_bytes:
-            self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+        limit = self.relay.config.listen.max_header_bytes
+        if self._in_head:
+            if self._head_raw > limit:
+                self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+        elif self._moved:
+            self._stalled = 0
+        else:
+            # Bytes that are neither a head nor body: a trailer section, chunk extensions,
+            # empty lines. llhttp has no limit on them and httptools keeps a field's value in
+            # memory (re-concatenated on every read) until its line ends, so bound them as
+            # the head is bounded.
+            self._stalled += len(data)
+            if self._stalled > limit:
+                self._unparseable(
+                    Reject(reason=Reason.HEADERS_TOO_LARGE, detail="Request trailers too large")
+                )
 
     def eof_received(self) -> bool:
         # A client half-close ends the connection once the running response is written;
@@ -183,6 +202,7 @@ class ClientConnection(asyncio.Protocol):
         self._in_head = False
         self.requests += 1
         self.relay.timers.head_done(self)
+        self._moved = True
         method = parser.get_method()
         # SPEC §5a: the limit counts the request line and all header lines.
         size = len(method) + len(self._url) + 12 + self._head_bytes
@@ -212,10 +232,12 @@ class ClientConnection(asyncio.Protocol):
             self.pause(PAUSE_QUEUE)
 
     def on_body(self, body: bytes) -> None:
+        self._moved = True
         if self.receiving is not None:
             self.receiving.request_body(body)
 
     def on_message_complete(self) -> None:
+        self._moved = True
         receiving, self.receiving = self.receiving, None
         if receiving is not None:
             receiving.request_done()
