@@ -351,7 +351,7 @@ class Exchange:
             self.cut(Reject(reason=Reason.INTERNAL), upstream_failed=True)
         except httptools.HttpParserError as exc:
             self.reason = f"upstream: {exc}"
-            self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+            self.cut(_malformed(self), upstream_failed=True)
 
     def upstream_eof(self) -> None:
         if self.state is not State.STREAMING:
@@ -441,7 +441,7 @@ class Exchange:
                 self.reason = "upstream: unsolicited 101"
                 self._upstream_keepalive = False
                 self.status = 0
-                self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+                self.cut(_malformed(self), upstream_failed=True)
                 return
             fields = header_rules.response_headers(raw, upgraded=True)
             self.client.write(serialise_response(101, self._resp_reason, fields))
@@ -532,7 +532,7 @@ class Exchange:
         conn = self.upstream
         if self.status != 101 or conn is None or not isinstance(decision, Forward):
             self.reason = "upstream: unexpected upgrade"
-            self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+            self.cut(_malformed(self), upstream_failed=True)
             return
         self.state = State.UPGRADED
         self.response_complete = True
@@ -602,6 +602,19 @@ class Exchange:
         relay.unregister(self)
         relay.observer.exchange_done(self)
         self.client.exchange_cut(self)
+
+
+def _sandbox_of(exchange: Exchange) -> str | None:
+    decision = exchange.decision
+    if isinstance(decision, Forward) and decision.target is not None:
+        return decision.target.sandbox_id
+    return None
+
+
+def _malformed(exchange: Exchange) -> Reject:
+    """The upstream's response cannot be relayed; answered after the route lookup, so the
+    answer names the sandbox (SPEC §5)."""
+    return Reject(reason=Reason.UPSTREAM_ERROR, sandbox_id=_sandbox_of(exchange))
 
 
 def _upstream_closed(exchange: Exchange) -> Reject:

@@ -33,9 +33,6 @@ async def get(conn: Connection, host: str, path: str, timeout: float = 5.0) -> o
     return await conn.read_response(timeout=timeout)
 
 
-NO_SANDBOX_ID = pytest.mark.xfail(
-    strict=True, reason="bug: a 502 for a malformed response has no sandboxId"
-)
 STATUS = pytest.mark.xfail(strict=True, reason="bug: status outside 100-599 is passed on")
 HEAD_CAP = pytest.mark.xfail(strict=True, reason="bug: the upstream response head is unbounded")
 
@@ -43,23 +40,23 @@ HEAD_CAP = pytest.mark.xfail(strict=True, reason="bug: the upstream response hea
 @pytest.mark.parametrize(
     "script",
     [
-        pytest.param("bad-status", marks=NO_SANDBOX_ID),
+        "bad-status",
         pytest.param("status-000", marks=STATUS),
         pytest.param("status-099", marks=STATUS),
         pytest.param("status-600", marks=STATUS),
-        pytest.param("garbage", marks=NO_SANDBOX_ID),
-        pytest.param("http09", marks=NO_SANDBOX_ID),
-        pytest.param("cl-te", marks=NO_SANDBOX_ID),
-        pytest.param("te-cl", marks=NO_SANDBOX_ID),
-        pytest.param("two-cl", marks=NO_SANDBOX_ID),
-        pytest.param("obs-fold", marks=NO_SANDBOX_ID),
-        pytest.param("bare-lf", marks=NO_SANDBOX_ID),
-        pytest.param("nul-header", marks=NO_SANDBOX_ID),
+        "garbage",
+        "http09",
+        "cl-te",
+        "te-cl",
+        "two-cl",
+        "obs-fold",
+        "bare-lf",
+        "nul-header",
         pytest.param("big-header", marks=HEAD_CAP),
         pytest.param("many-headers", marks=HEAD_CAP),
         "close-before-status",
         "close-mid-head",
-        pytest.param("unsolicited-101", marks=NO_SANDBOX_ID),
+        "unsolicited-101",
     ],
 )
 async def test_failure_before_the_response_is_a_clean_502(hostile: Hostile, script: str) -> None:
