@@ -421,6 +421,13 @@ class Exchange:
         parser = self.parser
         assert parser is not None
         status = parser.get_status_code()
+        if not 100 <= status <= 599:
+            # RFC 9110 §15: a status is 100-599; llhttp takes any three digits. Status 0 would
+            # also read as "no response started" everywhere below.
+            self.reason = f"upstream: invalid status {status}"
+            self._upstream_keepalive = False
+            self.cut(_malformed(self), upstream_failed=True)
+            return
         raw = tuple(self._resp_headers)
         if 100 <= status < 200 and status != 101:
             # Interim responses (100 Continue, 103 Early Hints) pass through to HTTP/1.1
