@@ -43,6 +43,9 @@ LAST_CHUNK = b"0\r\n\r\n"
 DISCARD_LIMIT = 1 << 20
 CONNECT_TYPE = b"application/connect+json"
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+# llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
+# guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.
+RESPONSE_HEAD_LIMIT = 64 * 1024
 
 
 class State(enum.Enum):
@@ -61,8 +64,11 @@ class Exchange:
         "_discarded",
         "_interim",
         "_pending",
+        "_resp_head_bytes",
         "_resp_headers",
+        "_resp_moved",
         "_resp_reason",
+        "_resp_stalled",
         "_retried",
         "_reused",
         "_tail",
@@ -97,6 +103,9 @@ class Exchange:
         self._tail = b""  # bytes the client sent after a WebSocket handshake
         self._dial_task: asyncio.Task[None] | None = None
         self._resp_headers: list[tuple[bytes, bytes]] = []
+        self._resp_head_bytes = 0  # the current response head's size, then its trailers'
+        self._resp_moved = False  # llhttp delivered a head, body bytes or an end in this feed
+        self._resp_stalled = 0  # bytes fed since it last did
         self._resp_reason = b""
         self._interim = False
         self._client_framing = Framing.NONE
@@ -341,16 +350,28 @@ class Exchange:
         parser = self.parser
         if parser is None:
             return
+        self._resp_moved = False
         try:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             self._upgraded(data[upgrade.args[0] :])
+            return
         except httptools.HttpParserCallbackError as exc:
             log.error("internal error on an upstream connection", exc_info=exc.__context__ or exc)
             self.reason = "internal_error"
             self.cut(Reject(reason=Reason.INTERNAL), upstream_failed=True)
+            return
         except httptools.HttpParserError as exc:
             self.reason = f"upstream: {exc}"
+            self.cut(_malformed(self), upstream_failed=True)
+            return
+        if self._resp_moved:
+            self._resp_stalled = 0
+        else:
+            # An unfinished head or trailer line is kept by httptools until it ends.
+            self._resp_stalled += len(data)
+        if self._resp_stalled > RESPONSE_HEAD_LIMIT or self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
+            self.reason = "upstream: response head or trailers too large"
             self.cut(_malformed(self), upstream_failed=True)
 
     def upstream_eof(self) -> None:
@@ -409,17 +430,26 @@ class Exchange:
     # -- llhttp callbacks (response side) -------------------------------------------------
     def on_message_begin(self) -> None:
         self._resp_headers = []
+        self._resp_head_bytes = 0
 
     def on_status(self, reason: bytes) -> None:
         self._resp_reason = reason
+        self._resp_head_bytes += len(reason) + 15
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._resp_head_bytes += len(name) + len(value) + 4  # trailers are counted too
         if not self.status:
             self._resp_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         parser = self.parser
         assert parser is not None
+        self._resp_moved = True
+        if self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
+            self.reason = "upstream: response head too large"
+            self._upstream_keepalive = False
+            self.cut(_malformed(self), upstream_failed=True)
+            return
         status = parser.get_status_code()
         if not 100 <= status <= 599:
             # RFC 9110 §15: a status is 100-599; llhttp takes any three digits. Status 0 would
@@ -494,6 +524,7 @@ class Exchange:
                 self._finish()
 
     def on_body(self, body: bytes) -> None:
+        self._resp_moved = True
         if self.response_complete or self._interim:
             return
         tracker = self._tracker
@@ -508,6 +539,7 @@ class Exchange:
             self.client.write(body)
 
     def on_message_complete(self) -> None:
+        self._resp_moved = True
         if self._interim:
             self._interim = False
             return
