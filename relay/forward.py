@@ -62,6 +62,7 @@ class Exchange:
         "_client_framing",
         "_dial_task",
         "_discarded",
+        "_extra",
         "_interim",
         "_pending",
         "_resp_head_bytes",
@@ -100,6 +101,7 @@ class Exchange:
         self.parser: httptools.HttpResponseParser | None = None
         self._pending: list[bytes] = []  # framed request body waiting for the upstream
         self._discarded = 0
+        self._extra = False  # the upstream sent bytes after its complete response
         self._tail = b""  # bytes the client sent after a WebSocket handshake
         self._dial_task: asyncio.Task[None] | None = None
         self._resp_headers: list[tuple[bytes, bytes]] = []
@@ -350,6 +352,7 @@ class Exchange:
         parser = self.parser
         if parser is None:
             return
+        conn = self.upstream
         self._resp_moved = False
         try:
             parser.feed_data(data)
@@ -362,8 +365,18 @@ class Exchange:
             self.cut(Reject(reason=Reason.INTERNAL), upstream_failed=True)
             return
         except httptools.HttpParserError as exc:
-            self.reason = f"upstream: {exc}"
-            self.cut(_malformed(self), upstream_failed=True)
+            if self.response_complete:
+                self._extra = True  # garbage after the response
+            else:
+                self.reason = f"upstream: {exc}"
+                self.cut(_malformed(self), upstream_failed=True)
+                return
+        if self._extra:
+            # HTTP/1.1 has no unsolicited responses: whatever followed the response (garbage,
+            # or a whole second response meant for the next request) is dropped, and the
+            # connection, which was released when the response completed, is not reused.
+            if conn is not None:
+                conn.close()
             return
         if self._resp_moved:
             self._resp_stalled = 0
@@ -429,6 +442,9 @@ class Exchange:
 
     # -- llhttp callbacks (response side) -------------------------------------------------
     def on_message_begin(self) -> None:
+        if self.response_complete:
+            self._extra = True
+            return
         self._resp_headers = []
         self._resp_head_bytes = 0
 
@@ -445,6 +461,8 @@ class Exchange:
         parser = self.parser
         assert parser is not None
         self._resp_moved = True
+        if self.response_complete:
+            return  # a head after the complete response: never written to the client
         if self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
             self.reason = "upstream: response head too large"
             self._upstream_keepalive = False

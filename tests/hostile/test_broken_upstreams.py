@@ -128,7 +128,6 @@ async def test_an_endless_trailer_section_from_the_upstream_is_cut(hostile: Host
 
 
 @pytest.mark.parametrize("script", ["garbage-after", "second-response"])
-@pytest.mark.xfail(strict=True, reason="bug: bytes after a response reach the client")
 async def test_bytes_after_a_complete_response_never_reach_a_client(
     hostile: Hostile, script: str
 ) -> None:
