@@ -638,7 +638,7 @@ class Exchange:
         decision = self.decision
         if (
             tracker is not None
-            and tracker.at_boundary
+            and tracker.released_whole  # a held, unfinished envelope is dropped
             and not tracker.ended
             and isinstance(decision, Forward)
             and decision.target is not None

@@ -55,6 +55,15 @@ class EnvelopeTracker:
     def at_boundary(self) -> bool:
         return not self._held and not self._skip
 
+    @property
+    def released_whole(self) -> bool:
+        """Everything released so far is whole envelopes: an end-of-stream envelope may follow.
+
+        Held bytes of an unfinished envelope were never released, so the peer has seen none
+        of them; only an oversized envelope passing through unheld leaves it mid-envelope.
+        """
+        return not self._skip
+
     def feed(self, data: bytes) -> bytes:
         """Bytes that may be released now; the rest is held until its envelope completes."""
         released = b""

@@ -59,6 +59,17 @@ def test_large_envelope_streams_through() -> None:
     assert tracker.at_boundary
 
 
+def test_held_bytes_were_never_released() -> None:
+    tracker = EnvelopeTracker(hold_limit=16)
+    assert tracker.feed(envelope(b"a") + envelope(b"b")[:4]) == envelope(b"a")
+    assert not tracker.at_boundary  # the stream is mid-envelope...
+    assert tracker.released_whole  # ...but what was released is whole envelopes
+    big = envelope(b"x" * 100)
+    tracker = EnvelopeTracker(hold_limit=16)
+    assert tracker.feed(big[:50]) == big[:50]
+    assert not tracker.released_whole  # an oversized envelope is partly out
+
+
 def test_upstream_end_frame_is_noticed() -> None:
     tracker = EnvelopeTracker()
     tracker.feed(envelope(b"{}", flags=2))

@@ -164,8 +164,8 @@ UNAVAILABLE = (2, json.loads(end_stream_frame("open")[5:]))
     "script",
     [
         "connect-boundary",
-        pytest.param("connect-mid-envelope", marks=pytest.mark.xfail(strict=True, reason="bug")),
-        pytest.param("connect-mid-chunk", marks=pytest.mark.xfail(strict=True, reason="bug")),
+        "connect-mid-envelope",
+        "connect-mid-chunk",
     ],
 )
 async def test_a_cut_connect_stream_ends_with_the_unavailable_frame(
