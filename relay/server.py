@@ -383,6 +383,8 @@ class ClientConnection(asyncio.Protocol):
         for the answer to one of them.
         """
         broken, self.receiving = self.receiving, None
+        if self.closing:
+            return  # already answered (at its head, in this same read) and closing
         active = self.active
         if active is not None and broken is active:
             # The active request's own body is malformed: it cannot be completed.
@@ -393,7 +395,7 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self.refuse(reject)
             return
-        if broken is not None:
+        if broken is not None and broken in self.queue:
             self.queue.remove(broken)  # a queued request's body: it never started
         if active is None:
             self.refuse(reject)

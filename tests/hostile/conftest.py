@@ -112,6 +112,21 @@ def hostile(tmp_path_factory: pytest.TempPathFactory, recorder: Recorder) -> Ite
         proc.stop()
 
 
+@pytest.fixture(autouse=True)
+def no_internal_error_in_the_shared_relay(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test during which the shared relay logged a bug (a traceback, an internal
+    error), so that it is pinned on the attack that caused it."""
+    if "hostile" not in request.fixturenames:
+        yield
+        return
+    hostile: Hostile = request.getfixturevalue("hostile")
+    before = len(relay_log(hostile.relay))
+    yield
+    new = relay_log(hostile.relay)[before:]
+    for marker in ("Traceback", "internal error", "Fatal error"):
+        assert marker not in new, new[-4000:]
+
+
 # -- small helpers shared by the modules ---------------------------------------------------
 
 
