@@ -180,6 +180,8 @@ class ClientConnection(asyncio.Protocol):
 
     # -- llhttp callbacks (request side) ------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self.parser is None:
+            return  # refused and closing within this read: what follows is not a request
         self._url = b""
         self._headers = []
         self._head_bytes = 0
@@ -198,7 +200,10 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self.parser
-        assert parser is not None
+        if parser is None:
+            # An earlier request in this same read was refused and the connection is closing
+            # (llhttp goes on through the rest of the buffer): this one is never served.
+            return
         self._in_head = False
         self.requests += 1
         self.relay.timers.head_done(self)

@@ -545,3 +545,31 @@ async def test_a_malformed_request_behind_a_streaming_response_waits_for_it(
         refusal = await conn.read_response(timeout=5)
         assert refusal.status == 400
         assert await conn.closed_by_peer(2)
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        b"GET /r HTTP/1.1\r\nHost: @H@\r\nHost: other\r\n\r\n",
+        b"GET /r HTTP/1.1\r\nX-No-Host: 1\r\n\r\n",
+        b"GET /r HTTP/1.1\r\nHost: @H@\r\nUpgrade: h2c\r\n\r\n",
+        b"POST /r HTTP/1.1\r\nHost: @H@\r\nTransfer-Encoding: identity, chunked\r\n\r\n0\r\n\r\n",
+        b"GET http://x/ HTTP/1.1\r\nHost: @H@\r\n\r\n",
+    ],
+    ids=["two-hosts", "no-host", "h2c", "te-identity", "absolute-form"],
+)
+async def test_requests_behind_one_refused_at_its_head_go_nowhere(
+    hostile: Hostile, refused: bytes
+) -> None:
+    """A request refused (and the connection closed) as soon as its head is read, with more
+    requests in the same packet: those are never parsed into exchanges, never forwarded."""
+    host = hostile.app
+    mark = hostile.recorder.mark()
+    async with connected(hostile.port) as conn:
+        await conn.send(
+            _fill(refused, host) + _get(host, "/behind1") + _post(host, "/behind2", b"x")
+        )
+        response = await conn.read_response(timeout=5)
+        assert response.status in (400, 501)
+        assert await conn.closed_by_peer(2)
+    assert await hostile.recorder.nothing_since(mark)
