@@ -484,7 +484,7 @@ def test_envd_checks_are_total(
         assert verdict.status in (400, 401)
 
 
-@settings(max_examples=1000)
+@settings(max_examples=500)
 @given(st.one_of(queries(), st.binary(max_size=80)))
 def test_stripping_leaves_no_signature_for_go(query: bytes) -> None:
     stripped = auth.strip_signature_params(query)
@@ -499,7 +499,7 @@ def test_stripping_leaves_no_signature_for_go(query: bytes) -> None:
 # -- header policy ---------------------------------------------------------------------------
 
 
-@settings(max_examples=800)
+@settings(max_examples=400)
 @given(
     fields=st.lists(st.tuples(field_names, field_values), max_size=10),
     framing=st.sampled_from(list(Framing)),

@@ -7,7 +7,13 @@ order the modules were collected in.
 
 from __future__ import annotations
 
-from tests.hostile.conftest import ENVD_TOKEN, Hostile, assert_no_internal_error
+from tests.hostile.conftest import (
+    ENVD_TOKEN,
+    TRAFFIC_TOKEN,
+    Hostile,
+    assert_no_internal_error,
+    relay_log,
+)
 from tests.support.rawhttp import request
 
 
@@ -29,4 +35,15 @@ async def test_the_same_relay_still_serves_after_the_suite(hostile: Hostile) -> 
     assert response.body == b"POST /process.Process/List 2"
     (seen,) = await hostile.recorder.wait_for(mark, 1)
     assert seen.header(b"x-access-token") == []  # strip mode, still
+    # A signed URL's signature is a credential too: it reaches neither envd nor the log.
+    signed = await request(
+        hostile.port,
+        "GET",
+        "/files?path=%2Fx&signature=v1_SECRETSIGNATURE&signature_expiration=1",
+        hostile.envd,
+    )
+    assert signed.status == 401
     assert_no_internal_error(hostile.relay)
+    log = relay_log(hostile.relay)
+    for secret in (ENVD_TOKEN, TRAFFIC_TOKEN, "SECRETSIGNATURE"):
+        assert secret not in log
