@@ -40,7 +40,22 @@ import httptools
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from invariants import ENVD_PORT, ROUTES, go_path
 
-ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+# What the fake upstreams answer, chosen per input: well-formed, odd, broken, cut short.
+ANSWERS: list[tuple[bytes, bool]] = [  # (bytes, then the upstream closes)
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-T: 1\r\n\r\n", False),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil close", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\ncut", True),
+    (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n7\r\n\x00\x00\x00\x00\x02{}\r\n3\r\n\x00\x00\x00\r\n",
+        True,
+    ),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n\r\n", False),
+    (b"HTTP/1.1 000 Zero\r\n\r\n", False),
+    (b"garbage\r\n\r\n", False),
+]
 
 
 class Bugs(logging.Handler):
@@ -209,6 +224,7 @@ def test_one_input(data: bytes) -> None:
     conn = ClientConnection(relay, tls=False)
     conn.connection_made(transport)  # type: ignore[arg-type]
     step = 1 + (sum(data) % 61)  # read sizes vary with the input, deterministically
+    answer, then_close = ANSWERS[(sum(data) // 61) % len(ANSWERS)]
     requests = 0
     for start in range(0, len(data), step):
         if transport.closed:
@@ -219,7 +235,13 @@ def test_one_input(data: bytes) -> None:
         for upstream in list(pool.made):
             while upstream.pending and upstream.owner is not None and not upstream.closed:
                 upstream.pending -= 1
-                upstream.owner.upstream_data(ANSWER)
+                owner = upstream.owner
+                owner.upstream_data(answer)
+                if then_close and upstream.owner is owner:
+                    upstream.closed = True
+                    upstream.owner = None
+                    owner.upstream_eof()
+                    owner.upstream_lost(None)
     conn.connection_lost(None)
     assert not relay.live, relay.live
     assert not relay.inflight, relay.inflight
@@ -231,6 +253,7 @@ def test_one_input(data: bytes) -> None:
         responses.parser.feed_data(bytes(transport.out))
     # One answer per request, plus at most one refusal of what could not be parsed.
     assert responses.count <= requests + 1, (responses.count, requests)
+    assert b"HTTP/1.1 0 " not in transport.out
 
 
 def main() -> None:
