@@ -43,6 +43,9 @@ LAST_CHUNK = b"0\r\n\r\n"
 DISCARD_LIMIT = 1 << 20
 CONNECT_TYPE = b"application/connect+json"
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+# llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
+# guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.
+RESPONSE_HEAD_LIMIT = 64 * 1024
 
 
 class State(enum.Enum):
@@ -59,10 +62,14 @@ class Exchange:
         "_client_framing",
         "_dial_task",
         "_discarded",
+        "_extra",
         "_interim",
         "_pending",
+        "_resp_head_bytes",
         "_resp_headers",
+        "_resp_moved",
         "_resp_reason",
+        "_resp_stalled",
         "_retried",
         "_reused",
         "_tail",
@@ -94,9 +101,13 @@ class Exchange:
         self.parser: httptools.HttpResponseParser | None = None
         self._pending: list[bytes] = []  # framed request body waiting for the upstream
         self._discarded = 0
+        self._extra = False  # the upstream sent bytes after its complete response
         self._tail = b""  # bytes the client sent after a WebSocket handshake
         self._dial_task: asyncio.Task[None] | None = None
         self._resp_headers: list[tuple[bytes, bytes]] = []
+        self._resp_head_bytes = 0  # the current response head's size, then its trailers'
+        self._resp_moved = False  # llhttp delivered a head, body bytes or an end in this feed
+        self._resp_stalled = 0  # bytes fed since it last did
         self._resp_reason = b""
         self._interim = False
         self._client_framing = Framing.NONE
@@ -217,10 +228,13 @@ class Exchange:
         fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
         if not keep:
             fields = (*fields, (b"Connection", b"close"))
+        # A response to HEAD has no content (RFC 9110 §9.3.2): bytes after the head would be
+        # read as the start of the next response on a kept-alive connection.
+        body = b"" if self.head.method == b"HEAD" else answer.body
         self.client.write(
-            serialise_response(answer.status, reason_phrase(answer.status), fields) + answer.body
+            serialise_response(answer.status, reason_phrase(answer.status), fields) + body
         )
-        self.bytes_out += len(answer.body)
+        self.bytes_out += len(body)
         self.response_complete = True
         self._pending = []
         if self.request_complete or not keep:
@@ -338,17 +352,40 @@ class Exchange:
         parser = self.parser
         if parser is None:
             return
+        conn = self.upstream
+        self._resp_moved = False
         try:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             self._upgraded(data[upgrade.args[0] :])
+            return
         except httptools.HttpParserCallbackError as exc:
             log.error("internal error on an upstream connection", exc_info=exc.__context__ or exc)
             self.reason = "internal_error"
             self.cut(Reject(reason=Reason.INTERNAL), upstream_failed=True)
+            return
         except httptools.HttpParserError as exc:
-            self.reason = f"upstream: {exc}"
-            self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+            if self.response_complete:
+                self._extra = True  # garbage after the response
+            else:
+                self.reason = f"upstream: {exc}"
+                self.cut(_malformed(self), upstream_failed=True)
+                return
+        if self._extra:
+            # HTTP/1.1 has no unsolicited responses: whatever followed the response (garbage,
+            # or a whole second response meant for the next request) is dropped, and the
+            # connection, which was released when the response completed, is not reused.
+            if conn is not None:
+                conn.close()
+            return
+        if self._resp_moved:
+            self._resp_stalled = 0
+        else:
+            # An unfinished head or trailer line is kept by httptools until it ends.
+            self._resp_stalled += len(data)
+        if self._resp_stalled > RESPONSE_HEAD_LIMIT or self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
+            self.reason = "upstream: response head or trailers too large"
+            self.cut(_malformed(self), upstream_failed=True)
 
     def upstream_eof(self) -> None:
         if self.state is not State.STREAMING:
@@ -405,19 +442,40 @@ class Exchange:
 
     # -- llhttp callbacks (response side) -------------------------------------------------
     def on_message_begin(self) -> None:
+        if self.response_complete:
+            self._extra = True
+            return
         self._resp_headers = []
+        self._resp_head_bytes = 0
 
     def on_status(self, reason: bytes) -> None:
         self._resp_reason = reason
+        self._resp_head_bytes += len(reason) + 15
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._resp_head_bytes += len(name) + len(value) + 4  # trailers are counted too
         if not self.status:
             self._resp_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         parser = self.parser
         assert parser is not None
+        self._resp_moved = True
+        if self.response_complete:
+            return  # a head after the complete response: never written to the client
+        if self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
+            self.reason = "upstream: response head too large"
+            self._upstream_keepalive = False
+            self.cut(_malformed(self), upstream_failed=True)
+            return
         status = parser.get_status_code()
+        if not 100 <= status <= 599:
+            # RFC 9110 §15: a status is 100-599; llhttp takes any three digits. Status 0 would
+            # also read as "no response started" everywhere below.
+            self.reason = f"upstream: invalid status {status}"
+            self._upstream_keepalive = False
+            self.cut(_malformed(self), upstream_failed=True)
+            return
         raw = tuple(self._resp_headers)
         if 100 <= status < 200 and status != 101:
             # Interim responses (100 Continue, 103 Early Hints) pass through to HTTP/1.1
@@ -439,7 +497,7 @@ class Exchange:
                 self.reason = "upstream: unsolicited 101"
                 self._upstream_keepalive = False
                 self.status = 0
-                self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+                self.cut(_malformed(self), upstream_failed=True)
                 return
             fields = header_rules.response_headers(raw, upgraded=True)
             self.client.write(serialise_response(101, self._resp_reason, fields))
@@ -485,6 +543,7 @@ class Exchange:
                 self._finish()
 
     def on_body(self, body: bytes) -> None:
+        self._resp_moved = True
         if self.response_complete or self._interim:
             return
         tracker = self._tracker
@@ -499,6 +558,7 @@ class Exchange:
             self.client.write(body)
 
     def on_message_complete(self) -> None:
+        self._resp_moved = True
         if self._interim:
             self._interim = False
             return
@@ -530,7 +590,7 @@ class Exchange:
         conn = self.upstream
         if self.status != 101 or conn is None or not isinstance(decision, Forward):
             self.reason = "upstream: unexpected upgrade"
-            self.cut(Reject(reason=Reason.UPSTREAM_ERROR), upstream_failed=True)
+            self.cut(_malformed(self), upstream_failed=True)
             return
         self.state = State.UPGRADED
         self.response_complete = True
@@ -579,7 +639,7 @@ class Exchange:
         decision = self.decision
         if (
             tracker is not None
-            and tracker.at_boundary
+            and tracker.at_boundary  # a held, unfinished envelope is dropped
             and isinstance(decision, Forward)
             and decision.target is not None
         ):
@@ -604,6 +664,19 @@ class Exchange:
         relay.unregister(self)
         relay.observer.exchange_done(self)
         self.client.exchange_cut(self)
+
+
+def _sandbox_of(exchange: Exchange) -> str | None:
+    decision = exchange.decision
+    if isinstance(decision, Forward) and decision.target is not None:
+        return decision.target.sandbox_id
+    return None
+
+
+def _malformed(exchange: Exchange) -> Reject:
+    """The upstream's response cannot be relayed; answered after the route lookup, so the
+    answer names the sandbox (SPEC §5)."""
+    return Reject(reason=Reason.UPSTREAM_ERROR, sandbox_id=_sandbox_of(exchange))
 
 
 def _upstream_closed(exchange: Exchange) -> Reject:

@@ -43,7 +43,10 @@ class ClientConnection(asyncio.Protocol):
         "_head_raw",
         "_headers",
         "_in_head",
+        "_moved",
         "_paused",
+        "_refusal",
+        "_stalled",
         "_url",
         "active",
         "closing",
@@ -71,7 +74,10 @@ class ClientConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._head_raw = 0
         self._in_head = False
+        self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
+        self._stalled = 0  # bytes fed since llhttp last delivered any of those
         self._paused = 0
+        self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
         self.write_paused = False
         self.active: Exchange | None = None  # the exchange whose response is being written
         self.receiving: Exchange | None = None  # the exchange whose body is being parsed
@@ -106,6 +112,7 @@ class ClientConnection(asyncio.Protocol):
             return  # after an upgrade handshake or a refusal: nothing more is parsed
         if self._in_head or self.active is None:
             self._head_raw += len(data)
+        self._moved = False
         try:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -119,8 +126,22 @@ class ClientConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._parse_error(exc)
             return
-        if self._in_head and self._head_raw > self.relay.config.listen.max_header_bytes:
-            self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+        limit = self.relay.config.listen.max_header_bytes
+        if self._in_head:
+            if self._head_raw > limit:
+                self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+        elif self._moved:
+            self._stalled = 0
+        else:
+            # Bytes that are neither a head nor body: a trailer section, chunk extensions,
+            # empty lines. llhttp has no limit on them and httptools keeps a field's value in
+            # memory (re-concatenated on every read) until its line ends, so bound them as
+            # the head is bounded.
+            self._stalled += len(data)
+            if self._stalled > limit:
+                self._unparseable(
+                    Reject(reason=Reason.HEADERS_TOO_LARGE, detail="Request trailers too large")
+                )
 
     def eof_received(self) -> bool:
         # A client half-close ends the connection once the running response is written;
@@ -161,6 +182,8 @@ class ClientConnection(asyncio.Protocol):
 
     # -- llhttp callbacks (request side) ------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self.parser is None:
+            return  # refused and closing within this read: what follows is not a request
         self._url = b""
         self._headers = []
         self._head_bytes = 0
@@ -180,12 +203,13 @@ class ClientConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self.parser
         if parser is None or self.closing:
-            # Refused earlier in this same read: llhttp goes on parsing what follows (say, a
-            # pipelined request), but nothing more is dispatched on a closing connection.
+            # An earlier request in this same read was refused and the connection is closing
+            # (llhttp goes on through the rest of the buffer): this one is never served.
             return
         self._in_head = False
         self.requests += 1
         self.relay.timers.head_done(self)
+        self._moved = True
         method = parser.get_method()
         # SPEC §5a: the limit counts the request line and all header lines.
         size = len(method) + len(self._url) + 12 + self._head_bytes
@@ -215,10 +239,12 @@ class ClientConnection(asyncio.Protocol):
             self.pause(PAUSE_QUEUE)
 
     def on_body(self, body: bytes) -> None:
+        self._moved = True
         if self.receiving is not None and not self.closing:
             self.receiving.request_body(body)
 
     def on_message_complete(self) -> None:
+        self._moved = True
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
             receiving.request_done()
@@ -255,7 +281,7 @@ class ClientConnection(asyncio.Protocol):
         if exchange is not self.active:
             return
         self.active = None
-        if not keep_alive or self.closing or self.parser is None:
+        if not keep_alive or self.closing or (self.parser is None and self._refusal is None):
             self.close()
             return
         if self.queue:
@@ -263,6 +289,9 @@ class ClientConnection(asyncio.Protocol):
             if not self.queue:
                 self.resume(PAUSE_QUEUE)
             self.active.start()
+            return
+        if self._refusal is not None:
+            self.refuse(self._refusal)  # every earlier request is answered: now the refusal
             return
         self.resume(PAUSE_QUEUE)
         if not self._in_head:
@@ -346,15 +375,40 @@ class ClientConnection(asyncio.Protocol):
             self.abort()
 
     def _parse_error(self, exc: Exception) -> None:
-        if self.active is not None and self.active.response_started():
-            self.abort()  # a framing error mid-body: the exchange cannot be completed
-            return
         detail = str(exc) or type(exc).__name__
         if isinstance(exc, httptools.HttpParserInvalidMethodError):
             detail = "Invalid HTTP method"
         elif isinstance(exc, httptools.HttpParserInvalidURLError):
             detail = "Invalid request target"
-        self.refuse(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
+        self._unparseable(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
+
+    def _unparseable(self, reject: Reject) -> None:
+        """Nothing more can be parsed from this connection: refuse, in order, then close.
+
+        Responses go out in request order (RFC 9112 §9.3.2): a refusal found while earlier
+        pipelined requests are still being answered waits for them, so that it is never taken
+        for the answer to one of them.
+        """
+        broken, self.receiving = self.receiving, None
+        if self.closing:
+            return  # already answered (at its head, in this same read) and closing
+        active = self.active
+        if active is not None and broken is active:
+            # The active request's own body is malformed: it cannot be completed.
+            if active.answered():
+                self.close()  # its answer is written; let it flush
+            elif active.response_started():
+                self.abort()
+            else:
+                self.refuse(reject)
+            return
+        if broken is not None and broken in self.queue:
+            self.queue.remove(broken)  # a queued request's body: it never started
+        if active is None:
+            self.refuse(reject)
+            return
+        self.parser = None
+        self._refusal = reject
 
 
 class Timers:

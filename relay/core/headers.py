@@ -109,7 +109,9 @@ def request_headers(
     drop = rules.drop
     connection = fields.get(b"connection")
     if connection is not None:
-        drop = drop | connection_tokens(connection)
+        # Host is what relay routed on and is preserved (SPEC §4): naming it in Connection
+        # does not make the upstream see a request without it.
+        drop = drop | (connection_tokens(connection) - {b"host"})
     if rules.forwarded_for is None:
         drop = drop | FORWARDED
     out = [pair for pair, key in zip(headers, names, strict=True) if key not in drop]

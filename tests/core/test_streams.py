@@ -62,6 +62,17 @@ def test_large_envelope_streams_through() -> None:
     assert boundaries == [False, True, True]
 
 
+def test_held_bytes_were_never_released() -> None:
+    tracker = EnvelopeTracker(hold_limit=16)
+    assert tracker.feed(envelope(b"a") + envelope(b"b")[:4]) == envelope(b"a")
+    assert tracker.holding == 4  # the stream is mid-envelope...
+    assert tracker.at_boundary  # ...but what was released is whole envelopes
+    big = envelope(b"x" * 100)
+    tracker = EnvelopeTracker(hold_limit=16)
+    assert tracker.feed(big[:50]) == big[:50]
+    assert not tracker.at_boundary  # an oversized envelope is partly out
+
+
 def test_upstream_end_frame_is_noticed() -> None:
     tracker = EnvelopeTracker()
     tracker.feed(envelope(b"{}", flags=2))

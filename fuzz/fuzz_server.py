@@ -1,0 +1,265 @@
+"""atheris: random bytes, in random-sized reads, through relay's client protocol.
+
+The real ``ClientConnection`` (llhttp framing, limits, pipelining, refusals) and the real
+``Exchange`` run on a fake transport, with an in-memory upstream pool whose connections parse
+what relay writes to them with a strict llhttp request parser and answer each complete
+request with a small 200. No socket and no event loop: between reads the harness delivers
+the upstream answers, as the loop would.
+
+A crash is any exception, a bug logged by relay, or a broken invariant:
+
+* everything relay writes upstream is well-framed HTTP/1.1 (a strict parser accepts it),
+  carries no credential (strip mode) and never names a control path on envd's port;
+* everything relay writes to the client is well-framed responses, no more than requests;
+* once the connection is gone, no exchange is left registered.
+
+    fuzz/.venv/bin/python fuzz/fuzz_server.py -max_total_time=30 fuzz/corpus/server
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import atheris
+
+with atheris.instrument_imports(include=["relay"]):
+    from relay.config import parse
+    from relay.core import headers as header_rules
+    from relay.core import policy
+    from relay.runtime import Relay
+    from relay.server import ClientConnection
+    from relay.upstreams import PoolKey
+
+import httptools
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from invariants import ENVD_PORT, ROUTES, go_path
+
+# What the fake upstreams answer, chosen per input: well-formed, odd, broken, cut short.
+ANSWERS: list[tuple[bytes, bool]] = [  # (bytes, then the upstream closes)
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-T: 1\r\n\r\n", False),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil close", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\ncut", True),
+    (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n7\r\n\x00\x00\x00\x00\x02{}\r\n3\r\n\x00\x00\x00\r\n",
+        True,
+    ),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n\r\n", False),
+    (b"HTTP/1.1 000 Zero\r\n\r\n", False),
+    (b"garbage\r\n\r\n", False),
+]
+
+
+class Bugs(logging.Handler):
+    """relay logs a bug at ERROR level (never shows it to the client): that is a crash."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        raise AssertionError(f"relay logged an error: {record.getMessage()}")
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("192.0.2.1", 40000) if name == "peername" else default
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.out += data
+
+    def writelines(self, parts: list[bytes]) -> None:
+        for part in parts:
+            self.write(part)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class FakeUpstream:
+    """An upstream connection: checks what relay writes, answers complete requests."""
+
+    def __init__(self, key: PoolKey) -> None:
+        self.key = key
+        self.owner: Any = None
+        self.uses = 1
+        self.closed = False
+        self.transport = self
+        self.pending = 0
+        self.upgraded = False
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.url = b""
+        self.parser = httptools.HttpRequestParser(self)
+
+    # what relay calls
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "relay wrote to a closed upstream connection"
+        if self.upgraded:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.upgraded = True  # a WebSocket handshake: bytes after it are frames
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self.write(b"".join(parts))
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    # llhttp callbacks: the request as the upstream sees it
+    def on_message_begin(self) -> None:
+        self.url, self.fields = b"", []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        names = {name.lower() for name, _ in self.fields}
+        assert not names & header_rules.CREDENTIALS, self.fields
+        if self.key.port == ENVD_PORT:
+            assert go_path(self.url) not in policy.CONTROL_PATHS, self.url
+
+    def on_message_complete(self) -> None:
+        self.pending += 1
+
+
+class FakePool:
+    def __init__(self) -> None:
+        self.made: list[FakeUpstream] = []
+
+    def acquire(self, key: PoolKey) -> FakeUpstream:
+        conn = FakeUpstream(key)
+        self.made.append(conn)
+        return conn
+
+    def release(self, conn: FakeUpstream) -> None:
+        conn.owner = None
+        conn.closed = True  # never reused: each exchange gets a fresh, checked connection
+
+    def purge(self, sandbox_id: str) -> int:
+        return 0
+
+    def sweep(self) -> None:
+        pass
+
+    def close_all(self) -> None:
+        pass
+
+
+class Responses:
+    """Counts the well-framed responses relay wrote to the client."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.count = 0
+
+    def on_headers_complete(self) -> None:
+        if self.parser.get_status_code() >= 200:
+            self.count += 1
+
+
+def make_relay() -> Relay:
+    tmp = Path(tempfile.mkdtemp(prefix="relay-fuzz-"))
+    (tmp / "routes.json").write_text('{"routes": []}')
+    config = parse(
+        {
+            "listen": {"max_header_bytes": 2048},
+            "routing": {"domains": ["e2b.test"]},
+            "routes": {"file": str(tmp / "routes.json")},
+            "upstream": {"envd_port": ENVD_PORT},
+        },
+        base_dir=tmp,
+    )
+    relay = Relay(config)
+    relay.install_routes(dict(ROUTES), "fuzz")
+    relay.pool = FakePool()  # type: ignore[assignment]
+    return relay
+
+
+RELAY = make_relay()
+logging.getLogger("relay").addHandler(Bugs())
+logging.getLogger("relay").setLevel(logging.ERROR)
+logging.getLogger("relay").propagate = False
+
+
+def test_one_input(data: bytes) -> None:
+    relay = RELAY
+    pool: FakePool = relay.pool  # type: ignore[assignment]
+    pool.made.clear()
+    transport = FakeTransport()
+    conn = ClientConnection(relay, tls=False)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    step = 1 + (sum(data) % 61)  # read sizes vary with the input, deterministically
+    answer, then_close = ANSWERS[(sum(data) // 61) % len(ANSWERS)]
+    requests = 0
+    for start in range(0, len(data), step):
+        if transport.closed:
+            break
+        conn.data_received(data[start : start + step])
+        requests = conn.requests
+        # The event loop's turn: upstreams answer the requests they have in full.
+        for upstream in list(pool.made):
+            while upstream.pending and upstream.owner is not None and not upstream.closed:
+                upstream.pending -= 1
+                owner = upstream.owner
+                owner.upstream_data(answer)
+                if then_close and upstream.owner is owner:
+                    upstream.closed = True
+                    upstream.owner = None
+                    owner.upstream_eof()
+                    owner.upstream_lost(None)
+    conn.connection_lost(None)
+    assert not relay.live, relay.live
+    assert not relay.inflight, relay.inflight
+    assert not relay.connections
+    if b"HEAD" in data:
+        return  # answers to HEAD have no body: a plain response parser cannot frame them
+    responses = Responses()
+    with contextlib.suppress(httptools.HttpParserUpgrade):
+        responses.parser.feed_data(bytes(transport.out))
+    # One answer per request, plus at most one refusal of what could not be parsed.
+    assert responses.count <= requests + 1, (responses.count, requests)
+    assert b"HTTP/1.1 0 " not in transport.out
+
+
+def main() -> None:
+    atheris.Setup(sys.argv, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
