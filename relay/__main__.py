@@ -17,7 +17,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from relay import __version__
+from relay import __version__, accesslog
 from relay.config import Config, ConfigError, load
 from relay.core.auth import file_signature
 from relay.core.routes import parse_routes
@@ -81,12 +81,10 @@ def _setup_logging(level: str) -> None:
         format=f"%(asctime)s %(levelname)s %(name)s {tag}%(message)s",
         stream=sys.stderr,
     )
-    # Access-log lines are JSON documents of their own: print them bare.
-    access = logging.getLogger("relay.access")
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(handler)
-    access.propagate = False
+    # Access-log lines are JSON documents of their own, written bare and buffered to stdout
+    # (relay.accesslog); a log level above INFO turns them off.
+    if logging.getLogger("relay.access").isEnabledFor(logging.INFO):
+        accesslog.configure(sys.stdout.buffer)
 
 
 def _serve(args: argparse.Namespace) -> int:

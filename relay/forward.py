@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from relay.core import headers as header_rules
+from relay.core import responses
 from relay.core.answers import reason_phrase, render, serialise_response
 from relay.core.model import Forward, Framing, Kind, Reason, Reject, RequestHead
 from relay.core.streams import EnvelopeTracker, end_stream_frame
@@ -41,7 +42,6 @@ LAST_CHUNK = b"0\r\n\r\n"
 # A refused request's body is read and dropped up to this size so that the connection can be
 # kept; past it the connection is closed after the answer.
 DISCARD_LIMIT = 1 << 20
-CONNECT_TYPE = b"application/connect+json"
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 # llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
 # guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.
@@ -64,6 +64,7 @@ class Exchange:
         "_discarded",
         "_extra",
         "_interim",
+        "_out",
         "_pending",
         "_resp_head_bytes",
         "_resp_headers",
@@ -110,6 +111,9 @@ class Exchange:
         self._resp_stalled = 0  # bytes fed since it last did
         self._resp_reason = b""
         self._interim = False
+        # Response bytes produced while llhttp parses one upstream read, written to the client
+        # in one writev when the read is done: a small response costs one syscall, not three.
+        self._out: list[bytes] = []
         self._client_framing = Framing.NONE
         self._tracker: EnvelopeTracker | None = None
         self._upstream_keepalive = True
@@ -210,8 +214,15 @@ class Exchange:
         if self.client.write_paused:
             conn.pause_reading()
 
+    def _flush(self) -> None:
+        out = self._out
+        if out:
+            self._out = []
+            self.client.writelines(out)
+
     def answer(self, reject: Reject) -> None:
         """Answer the client ourselves (before any response byte was written)."""
+        self._flush()  # an interim 100 Continue may be waiting
         self.state = State.ANSWERED
         self.client.relay.observer.refused(reject, self.client.peer)
         answer = render(reject, self.head.headers)
@@ -254,6 +265,10 @@ class Exchange:
     def _finish(self) -> None:
         if self.state is State.DONE:
             return
+        self._flush()  # before the next pipelined exchange writes anything
+        # llhttp's parser holds this exchange as its protocol: drop the cycle now, so the
+        # exchange is freed by reference counting rather than by the cyclic GC.
+        self.parser = None
         upgraded = self.state is State.UPGRADED
         self.state = State.DONE
         relay = self.client.relay
@@ -356,6 +371,7 @@ class Exchange:
         self._resp_moved = False
         try:
             parser.feed_data(data)
+            self._flush()
         except httptools.HttpParserUpgrade as upgrade:
             self._upgraded(data[upgrade.args[0] :])
             return
@@ -459,9 +475,8 @@ class Exchange:
 
     def on_headers_complete(self) -> None:
         parser = self.parser
-        assert parser is not None
         self._resp_moved = True
-        if self.response_complete:
+        if self.response_complete or parser is None:
             return  # a head after the complete response: never written to the client
         if self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
             self.reason = "upstream: response head too large"
@@ -482,13 +497,11 @@ class Exchange:
             # clients (RFC 9110 §15.2); the final response follows on the same parser.
             self._interim = True
             if self.head.version == "1.1":
-                fields = header_rules.response_headers(raw, upgraded=False)
-                self.client.write(serialise_response(status, self._resp_reason, fields))
+                self._out.append(responses.interim_head(status, self._resp_reason, raw))
             return
         self._interim = False
         self.status = status
         self.client.relay.observer.first_response_byte(self)  # metrics: time to first byte
-        fields_index = header_rules.index(raw)
         self._upstream_keepalive = parser.should_keep_alive()
         decision = self.decision
         assert isinstance(decision, Forward)
@@ -499,42 +512,23 @@ class Exchange:
                 self.status = 0
                 self.cut(_malformed(self), upstream_failed=True)
                 return
-            fields = header_rules.response_headers(raw, upgraded=True)
-            self.client.write(serialise_response(101, self._resp_reason, fields))
+            self._out.append(responses.upgrade_head(self._resp_reason, raw))
             return
-        out = list(header_rules.response_headers(raw, upgraded=False))
-        is_head = self.head.method == b"HEAD"
-        no_body = is_head or status in (204, 304)
-        cl = fields_index.get(b"content-length")
-        if no_body:
-            framing = Framing.NONE
-            if cl is not None and status != 204:
-                out.append((b"Content-Length", cl[0]))  # the size a GET would have (RFC 9110 §8.6)
-        elif cl is not None and b"transfer-encoding" not in fields_index:
-            framing = Framing.LENGTH
-            out.append((b"Content-Length", cl[0]))
-        elif self.head.version == "1.1":
-            framing = Framing.CHUNKED
-            out.append((b"Transfer-Encoding", b"chunked"))
-        else:
-            framing = Framing.NONE  # HTTP/1.0 client: delimited by closing the connection
-            self.keep_alive = False
-        self._client_framing = framing
-        if decision.websocket:
-            self.keep_alive = False  # the client asked to leave HTTP; do not keep it in it
-        if not self.keep_alive:
-            out.append((b"Connection", b"close"))
-        content_type = fields_index.get(b"content-type")
-        if (
-            framing is Framing.CHUNKED
-            and content_type
-            and content_type[0].lower().startswith(CONNECT_TYPE)
-        ):
-            self._tracker = EnvelopeTracker()
-        self.client.write(
-            serialise_response(status, self._resp_reason or reason_phrase(status), tuple(out))
+        plan = responses.plan_response(
+            status,
+            self._resp_reason or reason_phrase(status),
+            raw,
+            method=self.head.method,
+            client_version=self.head.version,
+            keep_alive=self.keep_alive,
+            websocket=decision.websocket,
         )
-        if is_head:
+        self._client_framing = plan.framing
+        self.keep_alive = plan.keep_alive
+        if plan.connect_stream:
+            self._tracker = EnvelopeTracker()
+        self._out.append(plan.head)
+        if plan.ends_at_head:
             # llhttp cannot be told that a response answers HEAD, so it would wait for the
             # announced body: the response ends here and the connection is not reused.
             self.response_complete = True
@@ -553,9 +547,9 @@ class Exchange:
                 return
         self.bytes_out += len(body)
         if self._client_framing is Framing.CHUNKED:
-            self.client.writelines([b"%x\r\n" % len(body), body, CRLF])
+            self._out += (b"%x\r\n" % len(body), body, CRLF)
         else:
-            self.client.write(body)
+            self._out.append(body)
 
     def on_message_complete(self) -> None:
         self._resp_moved = True
@@ -566,9 +560,7 @@ class Exchange:
             return  # a 101 continues in _upgraded(), once llhttp stops at the upgrade
         self.response_complete = True
         if self._client_framing is Framing.CHUNKED:
-            self.client.write(LAST_CHUNK)
-        elif self._client_framing is Framing.NONE and self.status and not self.keep_alive:
-            pass  # close-delimited for an HTTP/1.0 client: closing ends the body
+            self._out.append(LAST_CHUNK)
         if not self.request_complete:
             # The upstream answered before the request body ended (e.g. 413): the rest of the
             # body has nowhere to go, so neither connection can be kept.
@@ -592,6 +584,7 @@ class Exchange:
             self.reason = "upstream: unexpected upgrade"
             self.cut(_malformed(self), upstream_failed=True)
             return
+        self._flush()  # the 101 goes out before any spliced byte
         self.state = State.UPGRADED
         self.response_complete = True
         self.parser = None
@@ -620,6 +613,7 @@ class Exchange:
         visibly truncated end of the response."""
         if self.state in (State.DONE, State.ANSWERED, State.UPGRADED):
             return
+        self._flush()  # what llhttp already released goes out first
         if self._dial_task is not None:
             self._dial_task.cancel()
             self._dial_task = None

@@ -1,6 +1,6 @@
 """What relay tells operators: the JSON access log and counters.
 
-One access-log line per exchange (SPEC §7) on the ``relay.access`` logger. A line carries the
+One access-log line per exchange (SPEC §7), written by ``relay.accesslog``. A line carries the
 path *without* its query (a signed URL's query holds a signature), never a header value, and
 never a token: the fields are built here from relay's own decision, not copied from the
 request. Counters are plain integers here; the Prometheus exposition reads them.
@@ -15,12 +15,12 @@ for a ``collections.Counter`` increment; relay records four or five values per r
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from relay.accesslog import ACCESS_LOG
 from relay.core.model import Forward, Reason, Reject
 from relay.core.routes import RouteError
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from relay.forward import Exchange
     from relay.websocket import Splice
 
-access_log = logging.getLogger("relay.access")
 log = logging.getLogger("relay")
 
 
@@ -85,24 +84,19 @@ class Observer:
         """A refusal with no exchange (unparseable request, 431, slow head, overload)."""
         self.refused(reject, peer)
         self.requests[("refused", f"{reject.status // 100}xx")] += 1
-        if access_log.isEnabledFor(logging.INFO):
-            access_log.info(
-                json.dumps(
-                    {
-                        "time": round(time.time(), 3),
-                        "client": peer,
-                        "sandbox_id": None,
-                        "port": None,
-                        "method": None,
-                        "path": None,
-                        "status": reject.status,
-                        "bytes_in": 0,
-                        "bytes_out": 0,
-                        "duration_ms": None,
-                        "reason": reject.reason.label,
-                    },
-                    separators=(",", ":"),
-                )
+        if ACCESS_LOG.enabled:
+            ACCESS_LOG.write(
+                time=time.time(),
+                client=peer,
+                sandbox_id=None,
+                port=None,
+                method=None,
+                path=None,
+                status=reject.status,
+                bytes_in=0,
+                bytes_out=0,
+                duration_ms=None,
+                reason=reject.reason.label,
             )
 
     def first_response_byte(self, exchange: Exchange) -> None:
@@ -132,7 +126,7 @@ class Observer:
         self.requests[(kind, f"{status // 100}xx" if status else "none")] += 1
         self.bytes_in += exchange.bytes_in
         self.bytes_out += exchange.bytes_out
-        if not access_log.isEnabledFor(logging.INFO):
+        if not ACCESS_LOG.enabled:
             return
         target = decision.target if isinstance(decision, Forward) else None
         sandbox_id = target.sandbox_id if target else None
@@ -140,49 +134,39 @@ class Observer:
             sandbox_id = decision.sandbox_id
         head = exchange.head
         path = decision.log_path if isinstance(decision, Forward) else _path_only(head.target)
-        access_log.info(
-            json.dumps(
-                {
-                    "time": round(time.time(), 3),
-                    "client": exchange.client.peer,
-                    "sandbox_id": sandbox_id,
-                    "port": target.port if target else None,
-                    "method": head.method.decode("latin-1"),
-                    "path": path,
-                    "status": status,
-                    "bytes_in": exchange.bytes_in,
-                    "bytes_out": exchange.bytes_out,
-                    "duration_ms": round((time.monotonic() - exchange.started_at) * 1000, 2),
-                    "reason": exchange.reason or None,
-                },
-                separators=(",", ":"),
-            )
+        ACCESS_LOG.write(
+            time=time.time(),
+            client=exchange.client.peer,
+            sandbox_id=sandbox_id,
+            port=target.port if target else None,
+            method=head.method.decode("latin-1"),
+            path=path,
+            status=status,
+            bytes_in=exchange.bytes_in,
+            bytes_out=exchange.bytes_out,
+            duration_ms=(time.monotonic() - exchange.started_at) * 1000,
+            reason=exchange.reason or None,
         )
 
     def splice_done(self, splice: Splice) -> None:
         self.websockets_closed += 1
         self.bytes_in += splice.bytes_in
         self.bytes_out += splice.bytes_out
-        if not access_log.isEnabledFor(logging.INFO):
+        if not ACCESS_LOG.enabled:
             return
         target = splice.decision.target
-        access_log.info(
-            json.dumps(
-                {
-                    "time": round(time.time(), 3),
-                    "client": splice.client.peer,
-                    "sandbox_id": target.sandbox_id if target else None,
-                    "port": target.port if target else None,
-                    "method": "WEBSOCKET",
-                    "path": splice.decision.log_path,
-                    "status": 101,
-                    "bytes_in": splice.bytes_in,
-                    "bytes_out": splice.bytes_out,
-                    "duration_ms": round((time.monotonic() - splice.started_at) * 1000, 2),
-                    "reason": splice.reason or None,
-                },
-                separators=(",", ":"),
-            )
+        ACCESS_LOG.write(
+            time=time.time(),
+            client=splice.client.peer,
+            sandbox_id=target.sandbox_id if target else None,
+            port=target.port if target else None,
+            method="WEBSOCKET",
+            path=splice.decision.log_path,
+            status=101,
+            bytes_in=splice.bytes_in,
+            bytes_out=splice.bytes_out,
+            duration_ms=(time.monotonic() - splice.started_at) * 1000,
+            reason=splice.reason or None,
         )
 
     def rejected_routes(self, source: str, errors: list[RouteError]) -> None:

@@ -145,21 +145,6 @@ def _with_forwarded(
     return out
 
 
-def response_headers(headers: Headers, *, upgraded: bool) -> Headers:
-    """Upstream response fields to pass to the client, without hop-by-hop fields.
-
-    A 101 to a WebSocket upgrade keeps ``Connection: Upgrade`` and ``Upgrade`` (RFC 9110
-    §7.8), which the handshake needs; relay re-adds them itself in a fixed spelling.
-    """
-    fields = index(headers)
-    drop = HOP_BY_HOP | connection_tokens(fields.get(b"connection"))
-    out = [(name, value) for name, value in headers if name.lower() not in drop]
-    if upgraded:
-        out.append((b"Connection", b"Upgrade"))
-        out.append((b"Upgrade", b"websocket"))
-    return tuple(out)
-
-
 def serialise_request(method: bytes, target: bytes, headers: Headers) -> bytes:
     """An HTTP/1.1 request head; relay always speaks HTTP/1.1 upstream."""
     lines = [method + b" " + target + b" HTTP/1.1"]
