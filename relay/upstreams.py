@@ -17,8 +17,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 log = logging.getLogger("relay.upstream")
 
@@ -26,8 +25,10 @@ log = logging.getLogger("relay.upstream")
 RETRY_DELAYS_S = (0.1, 0.2, 0.3, 0.4)
 
 
-@dataclass(frozen=True, slots=True)
-class PoolKey:
+class PoolKey(NamedTuple):
+    """A pool's identity. A NamedTuple, not a frozen dataclass: one is made per request, and a
+    tuple is built and hashed in C."""
+
     sandbox_id: str  # "" for the management upstream
     generation: int
     address: str

@@ -10,6 +10,7 @@ refused outright rather than guessed at.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from relay.core.model import Reason, Reject
@@ -77,8 +78,12 @@ def clean_path(path: str) -> str:
     return "/" + "/".join(out)
 
 
+@functools.lru_cache(maxsize=2048)
 def split_target(target: bytes) -> SplitTarget | Reject:
     """Refuse request targets relay will not forward; split the rest (SPEC §1, §5a).
+
+    Memoised (bounded): a relay sees the same few request targets over and over (``/health``,
+    ``/process.Process/Start``, an app's routes), and the result is never mutated.
 
     Only origin-form is accepted (RFC 9112 §3.2.1): absolute-form is for forward proxies and
     asterisk-form for server-wide OPTIONS, neither of which is a sandbox request.
