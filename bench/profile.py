@@ -1,7 +1,8 @@
 """Profile relay (1 worker) under the small-GET workload with py-spy, next to nginx's CPU.
 
-    python -m bench.profile            # standalone: starts its own origins
-    make bench PROFILE=1               # after the main run, same stack
+    python -m bench.profile                      # standalone: starts its own origins
+    python -m bench.profile --cpu-only [--relay-src DIR]   # A/B: CPU per request only
+    make bench PROFILE=1                         # after the main run, same stack
 
 Same pinning as the benchmark (relay on core 1; wrk, origins and py-spy on core 0). Steps:
 
@@ -10,7 +11,8 @@ Same pinning as the benchmark (relay on core 1; wrk, origins and py-spy on core 
    separately (system time is the kernel's share: syscalls, loopback TCP).
 2. Under one longer wrk run, ``py-spy record --native`` writes the flame graph SVG, a second
    recording writes raw collapsed stacks, and ``py-spy dump --native`` takes one snapshot.
-3. The collapsed stacks are summarised into the top functions by self and inclusive samples
+3. ``strace -c`` counts the syscalls per request of relay and of nginx.
+4. The collapsed stacks are summarised into the top functions by self and inclusive samples
    and into coarse buckets (relay's own code, llhttp parsing, uvloop, logging...).
 
 py-spy stops the process at every sample (``--native`` needs it), which slows relay while it
@@ -219,7 +221,7 @@ def run(stack: Stack, name: str, durations: Durations) -> dict[str, Any]:
     assert proxy is not None
     svg = RESULTS / f"{name}-relay-get-c50.svg"
     raw = Path(tempfile.mkstemp(prefix="relay-pyspy-", suffix=".txt")[1])
-    record_s = 10
+    record_s = 8
     try:
         workloads.small_get(relay_col, proxy, 50, durations.warmup_s)
         load = subprocess.Popen(
@@ -288,15 +290,68 @@ def run(stack: Stack, name: str, durations: Durations) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
+def cpu_only(stack: Stack, durations: Durations, reps: int, compare: str = "") -> dict[str, Any]:
+    """A/B helper: relay's (and nginx's) CPU per small GET, best of ``reps`` interleaved
+    runs, without the profiler. ``compare``: a second relay source tree measured in the same
+    rounds (on its own port, same core), so that machine noise hits both alike."""
+    columns = [Column("relay-1w", "relay", 1)]
+    if compare:
+        columns.append(Column("relay-1w@compare", "relay", 1, src=compare))
+    if stack.nginx:
+        columns.append(Column("nginx-1w", "nginx", 1))
+    procs = {c.name: stack.start_proxy(c) for c in columns}
+    workloads.OURS[:] = stack.pids()
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in columns}
+    try:
+        for column in columns:
+            proc = procs[column.name]
+            assert proc is not None
+            workloads.small_get(column, proc, 50, durations.warmup_s)
+        for _ in range(reps):
+            for column in columns:
+                proc = procs[column.name]
+                assert proc is not None
+                runs[column.name].append(cpu_split(column, proc, durations.get_s))
+    finally:
+        for proc in procs.values():
+            stack.stop(proc)
+    out = {}
+    for name, items in runs.items():
+        good = [r for r in items if r.get("cpu_us_per_req")]
+        best = min(good, key=lambda r: r["cpu_us_per_req"]) if good else items[0]
+        out[name] = dict(best, runs=[r.get("cpu_us_per_req") for r in items])
+        print(
+            f"{name:<16} best {best.get('cpu_us_per_req')} µs/req "
+            f"(user {best.get('user_us_per_req')}, system {best.get('system_us_per_req')}), "
+            f"{best.get('req_s') or 0:,.0f} req/s; runs {out[name]['runs']}",
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import argparse
     import datetime
+    import os
     import socket
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-only", action="store_true", help="CPU per request, no py-spy")
+    parser.add_argument("--reps", type=int, default=3, help="with --cpu-only")
+    parser.add_argument("--relay-src", default="", help="profile this relay source tree")
+    parser.add_argument("--compare", default="", help="with --cpu-only: A/B against this tree")
+    args = parser.parse_args(argv)
+    if args.relay_src:
+        os.environ["BENCH_RELAY_SRC"] = str(Path(args.relay_src).resolve())
     run_dir = Path(tempfile.mkdtemp(prefix="relay-bench-profile-"))
     run_dir.chmod(0o755)
     stack = Stack(run_dir)
     try:
         stack.start_origins()
+        if args.cpu_only:
+            compare = str(Path(args.compare).resolve()) if args.compare else ""
+            cpu_only(stack, Durations(), args.reps, compare)
+            return 0
         name = f"{datetime.date.today().isoformat()}-{socket.gethostname()}"
         result = run(stack, name, Durations())
     finally:
@@ -307,4 +362,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -267,7 +267,12 @@ class Run:
         proxies: dict[str, Proc | None] = {}
         try:
             for column in columns:
-                proxy = self.start(column)
+                try:
+                    proxy = self.start(column)
+                except RuntimeError as exc:  # e.g. a config the installed nginx refuses
+                    self.absent[column.name] = f"did not start: {exc}"
+                    log(f"  {column.name}: absent: {self.absent[column.name]}")
+                    continue
                 if column.kind == "relay" and column.workers > 1 and proxy is not None:
                     processes = len(proxy.tree())
                     if processes < column.workers:
@@ -357,8 +362,12 @@ class Run:
                 )
                 self.interleaved(variants, [get])
             self.background("idle connections")
+            relay_workers = {c.workers for c in present if c.kind == "relay"}
             for column in present:
-                if column.kind != "direct":
+                # nginx-2w only matters next to a relay-2w column
+                if column.kind == "relay" or (
+                    column.kind == "nginx" and column.workers in relay_workers
+                ):
                     self.idle(column)
             if self.args.profile:
                 from bench import profile

@@ -47,6 +47,7 @@ PROXY_PORTS = {
     ("nginx", 1, False): 18095,
     ("relay", 1, False): 18096,
 }
+COMPARE_PORT = 18097
 ADMIN_PORT_OFFSET = 100  # relay's admin listener: data port + 100
 
 LOAD_CPUS = (0,)
@@ -66,6 +67,7 @@ class Column:
     kind: str  # "direct" | "nginx" | "relay"
     workers: int = 1
     access_log: bool = True
+    src: str = ""  # relay only: another source tree (A/B runs of bench.profile --compare)
 
     @property
     def label(self) -> str:
@@ -74,6 +76,8 @@ class Column:
 
     @property
     def port(self) -> int:
+        if self.src:
+            return COMPARE_PORT
         return PROXY_PORTS[(self.kind, self.workers, self.access_log)]
 
     def address(self, service: str) -> str:
@@ -218,7 +222,7 @@ class Stack:
             "INFO" if column.access_log else "WARNING",
         ]
         env = dict(os.environ)
-        relay_src = os.environ.get("BENCH_RELAY_SRC")
+        relay_src = column.src or os.environ.get("BENCH_RELAY_SRC")
         if relay_src:  # bench another checkout (e.g. a scratch copy) with the same venv
             env["PYTHONPATH"] = relay_src
         proc = spawn(
@@ -228,7 +232,9 @@ class Stack:
             stdout=self.run_dir / f"{column.label}.access.log",
             stderr=self.run_dir / f"{column.label}.err",
             env=env,
-            cwd=ROOT,
+            # Not the repository: `python -m` puts the working directory first on sys.path,
+            # which would shadow BENCH_RELAY_SRC.
+            cwd=self.run_dir,
         )
         self.procs.append(proc)
         wait_port("127.0.0.1", column.port, proc=proc)

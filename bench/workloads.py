@@ -29,10 +29,10 @@ LUA = BENCH / "wrk" / "report.lua"
 class Durations:
     """Seconds per measured run; ``--quick`` shrinks them for a smoke run."""
 
-    get_s: int = 5
-    auth_s: int = 3
+    get_s: int = 3
+    auth_s: int = 2
     warmup_s: int = 1
-    ws_s: float = 3.0
+    ws_s: float = 2.5
     transfer_reps: int = 5
     stream_reps: int = 3
     idle_http: int = 10_000
@@ -81,7 +81,7 @@ class Meter:
         return out
 
 
-def settle(limit_pct: float = 25.0, max_wait_s: float = 3.0) -> float:
+def settle(limit_pct: float = 25.0, max_wait_s: float = 0.4) -> float:
     """Wait (bounded) until the cores are mostly idle; returns the last busy % seen."""
     deadline = time.monotonic() + max_wait_s
     while True:
