@@ -311,6 +311,11 @@ def chart(results: Results, columns: list[str], path: Path, title: str) -> bool:
         ax.barh(ys, xs, height=height, color=colours[i % 4], label=f"{a} ÷ {b}")
         for y, x in zip(ys, xs, strict=True):
             ax.text(x * 1.03, y, f"{x:.2f}", va="center", fontsize=7)
+    for j, row in enumerate(rows):  # say why a bar is missing
+        cells = results.get(row.workload, {})
+        broken = [c for c in columns if "error" in cells.get(c, {})]
+        if broken and all(ratio(results, row, a, b) is None for a, b in pairs):
+            ax.text(1.0, j, "  error: " + ", ".join(broken), va="center", fontsize=7, color="red")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()

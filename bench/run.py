@@ -398,46 +398,51 @@ class Run:
                 "relay_commit": git_commit(),
             }
         )
-        found = report.targets(self.results, present)
-        table = report.markdown_table(self.results, present)
-        header = (
-            f"Run {meta['date']} on `{meta['host']}` ({meta['cpu']}, {meta['cores']} cores, "
-            f"{meta['memory_gib']} GiB, {meta['kernel']}), nginx {meta['nginx']}, "
-            f"{meta['wrk']}, relay {meta['relay_commit']}; took {elapsed:.0f} s."
-        )
-        absent_text = "\n".join(f"- `{k}` absent: {v}" for k, v in self.absent.items())
-        target_lines = report.targets_text(found)
-        md = "\n\n".join(
-            part
-            for part in (
-                header,
-                table,
-                absent_text,
-                "Targets (issue 7):\n\n```\n" + target_lines + "\n```",
-            )
-            if part
-        )
         document = {
             "meta": meta,
             "columns": present,
             "results": self.results,
-            "targets": [t.__dict__ for t in found],
+            "targets": [t.__dict__ for t in report.targets(self.results, present)],
             "bugs": self.bugs,
             "profile": self.profile,
         }
         (results / f"{name}.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
-        (results / f"{name}.md").write_text(md + "\n")
-        png = results / f"{name}.png"
-        title = f"relay ratios, {meta['host']} {meta['date'][:10]} ({meta['cores']} cores)"
-        charted = report.chart(self.results, present, png, title)
-        if not self.args.quick:
-            update_readme(md, f"results/{name}.png" if charted else None)
-        log("")
-        log(md)
-        log("")
-        log(f"results: {results / name}.json, .md{', .png' if charted else ''}")
+        publish(document, results, name, readme=not self.quick)
         log(f"make bench took {elapsed:.0f} s")
         return 0
+
+
+def publish(document: dict[str, Any], results: Path, name: str, *, readme: bool) -> None:
+    """The .md table and the .png chart next to the JSON; the README's latest section."""
+    meta, present, data = document["meta"], document["columns"], document["results"]
+    found = report.targets(data, present)
+    header = (
+        f"Run {meta['date']} on `{meta['host']}` ({meta['cpu']}, {meta['cores']} cores, "
+        f"{meta['memory_gib']} GiB, kernel {meta['kernel']}, Python {meta['python']}), "
+        f"nginx {meta['nginx']}, {meta['wrk']}; bench commit {meta['relay_commit']}; "
+        f"took {meta['duration_s']:.0f} s. Raw numbers: `results/{name}.json`."
+    )
+    absent_text = "\n".join(f"- `{k}` absent: {v}" for k, v in meta["absent"].items())
+    md = "\n\n".join(
+        part
+        for part in (
+            header,
+            report.markdown_table(data, present),
+            absent_text,
+            "Targets (issue 7):\n\n```\n" + report.targets_text(found) + "\n```",
+        )
+        if part
+    )
+    (results / f"{name}.md").write_text(md + "\n")
+    png = results / f"{name}.png"
+    title = f"relay ratios, {meta['host']} {meta['date'][:10]} ({meta['cores']} cores)"
+    charted = report.chart(data, present, png, title)
+    if readme:
+        update_readme(md, f"results/{name}.png" if charted else None)
+    log("")
+    log(md)
+    log("")
+    log(f"results: {results / name}.json, .md{', .png' if charted else ''}")
 
 
 def stamp() -> str:
@@ -506,7 +511,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--relay-src", default="", help="bench this relay source tree (sets BENCH_RELAY_SRC)"
     )
+    parser.add_argument(
+        "--report-only", default="", help="rebuild .md, .png and the README from a results JSON"
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        path = Path(args.report_only)
+        publish(json.loads(path.read_text()), path.parent, path.stem, readme=True)
+        return 0
     if args.relay_src:
         os.environ["BENCH_RELAY_SRC"] = str(Path(args.relay_src).resolve())
     return Run(args).execute()
