@@ -1,17 +1,12 @@
 # Two entry points that do all of their own set-up on a fresh machine:
 #   make run   - relay on the embedded default config (config/relay.toml)
 #   make test  - ruff, mypy --strict and pytest
-#   make bench - relay side by side with direct and nginx (bench/README.md); PROFILE=1 adds a
-#                py-spy profile, BENCH_ARGS passes options to `python -m bench.run`
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-BENCH_VENV  := bench/.venv
-BENCH_STAMP := $(BENCH_VENV)/.installed
-
-.PHONY: run test lint typecheck pytest clean bench
+.PHONY: run test lint typecheck pytest clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "relay needs Python >= 3.11")'
@@ -22,6 +17,23 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(BIN)/relay serve --config config/relay.toml
+
+# make bench - relay side by side with direct and nginx (bench/README.md); PROFILE=1 adds a
+#              py-spy profile, BENCH_ARGS passes options to `python -m bench.run`.
+BENCH_VENV  := bench/.venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+.PHONY: bench
+
+$(BENCH_STAMP): bench/requirements.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet -r bench/requirements.txt
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	bench/tools.sh
+	$(BENCH_VENV)/bin/python -m bench.run $(if $(PROFILE),--profile) $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check relay tests bench
@@ -34,16 +46,6 @@ pytest: $(STAMP)
 	$(BIN)/pytest
 
 test: lint typecheck pytest
-
-$(BENCH_STAMP): bench/requirements.txt
-	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/pip install --quiet -r bench/requirements.txt
-	touch $(BENCH_STAMP)
-
-bench: $(STAMP) $(BENCH_STAMP)
-	bench/tools.sh
-	$(BENCH_VENV)/bin/python -m bench.run $(if $(PROFILE),--profile) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
