@@ -395,7 +395,8 @@ class Run:
                 "absent": self.absent,
                 "background_busy_pct": self.quiet,
                 "relay_src": str(self.args.relay_src or ROOT),
-                "relay_commit": git_commit(),
+                "relay_src_commit": git_commit(Path(self.args.relay_src or ROOT)),
+                "relay_commit": git_commit(ROOT),
             }
         )
         document = {
@@ -419,7 +420,8 @@ def publish(document: dict[str, Any], results: Path, name: str, *, readme: bool)
     header = (
         f"Run {meta['date']} on `{meta['host']}` ({meta['cpu']}, {meta['cores']} cores, "
         f"{meta['memory_gib']} GiB, kernel {meta['kernel']}, Python {meta['python']}), "
-        f"nginx {meta['nginx']}, {meta['wrk']}; bench commit {meta['relay_commit']}; "
+        f"nginx {meta['nginx']}, {meta['wrk']}; bench at {meta['relay_commit']}; relay from "
+        f"`{meta['relay_src']}` at {meta.get('relay_src_commit', meta['relay_commit'])}; "
         f"took {meta['duration_s']:.0f} s. Raw numbers: `results/{name}.json`."
     )
     absent_text = "\n".join(f"- `{k}` absent: {v}" for k, v in meta["absent"].items())
@@ -476,9 +478,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def git_commit() -> str:
+def git_commit(tree: Path) -> str:
     out = subprocess.run(
-        ["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"],
+        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
         capture_output=True,
         text=True,
         check=False,
