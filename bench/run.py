@@ -149,6 +149,16 @@ class Run:
         )
         self.run_dir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
         self.run_dir.chmod(0o755)  # nginx workers run as nobody and serve files from here
+        self.relay_src_commit = git_commit(Path(args.relay_src or ROOT))
+        if args.relay_src:
+            # Snapshot the other tree now: it may be a live checkout that changes mid-run.
+            snapshot = self.run_dir / "relay-src"
+            shutil.copytree(
+                Path(args.relay_src) / "relay",
+                snapshot / "relay",
+                ignore=shutil.ignore_patterns("__pycache__"),
+            )
+            os.environ["BENCH_RELAY_SRC"] = str(snapshot)
         self.stack = Stack(self.run_dir)
         self.results: report.Results = {}
         self.absent: dict[str, str] = {}
@@ -229,9 +239,10 @@ class Run:
         transfer = ("--reps", str(d.transfer_reps))
         ws = ("--duration-s", str(d.ws_s), "--connections")
         return [
-            Workload("get_c10", get(10), reps, "req_s"),
+            # c50 carries the targets: one round more than the other levels.
+            Workload("get_c10", get(10), max(1, reps - 1), "req_s"),
             Workload("get_c50", get(50), reps, "req_s"),
-            Workload("get_c200", get(200), reps, "req_s"),
+            Workload("get_c200", get(200), max(1, reps - 1), "req_s"),
             Workload("auth_token", envd("/small", token), max(1, reps - 1), "req_s"),
             Workload("auth_signed", envd(self.signed_path, ""), max(1, reps - 1), "req_s"),
             Workload(
@@ -395,7 +406,7 @@ class Run:
                 "absent": self.absent,
                 "background_busy_pct": self.quiet,
                 "relay_src": str(self.args.relay_src or ROOT),
-                "relay_src_commit": git_commit(Path(self.args.relay_src or ROOT)),
+                "relay_src_commit": self.relay_src_commit,
                 "relay_commit": git_commit(ROOT),
             }
         )
@@ -485,7 +496,14 @@ def git_commit(tree: Path) -> str:
         text=True,
         check=False,
     )
-    return out.stdout.strip()[:60] or "unknown"
+    dirty = subprocess.run(
+        ["git", "-C", str(tree), "status", "--porcelain", "--", "relay"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    mark = " (+ uncommitted changes under relay/)" if dirty.stdout.strip() else ""
+    return (out.stdout.strip()[:60] or "unknown") + mark
 
 
 def update_readme(md: str, png: str | None) -> None:
@@ -522,7 +540,7 @@ def main(argv: list[str]) -> int:
         publish(json.loads(path.read_text()), path.parent, path.stem, readme=True)
         return 0
     if args.relay_src:
-        os.environ["BENCH_RELAY_SRC"] = str(Path(args.relay_src).resolve())
+        args.relay_src = str(Path(args.relay_src).resolve())
     return Run(args).execute()
 
 
