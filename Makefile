@@ -21,6 +21,23 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/relay serve --config config/relay.toml
 
+# make bench - relay side by side with direct and nginx (bench/README.md); PROFILE=1 adds a
+#              py-spy profile, BENCH_ARGS passes options to `python -m bench.run`.
+BENCH_VENV  := bench/.venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+.PHONY: bench
+
+$(BENCH_STAMP): bench/requirements.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet -r bench/requirements.txt
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	bench/tools.sh
+	$(BENCH_VENV)/bin/python -m bench.run $(if $(PROFILE),--profile) $(BENCH_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check relay tests $(wildcard bench fuzz)
 	$(BIN)/ruff format --check relay tests $(wildcard bench fuzz)

@@ -1,0 +1,1 @@
+"""relay benchmark harness: see bench/README.md."""
