@@ -96,3 +96,9 @@ def test_refuses_to_start_on_the_pure_python_parser(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "pure-Python HTTP parser" in result.stderr
+
+
+def test_allocator_is_tuned_on_glibc() -> None:
+    from relay.runtime import tune_allocator
+
+    assert tune_allocator() is True  # this machine runs glibc (Debian)
