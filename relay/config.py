@@ -13,6 +13,7 @@ import os
 import tomllib
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -247,6 +248,7 @@ def validate(config: Config) -> None:
             "routes.redis_url",
             "must be a redis:// or rediss:// URL",
         )
+        _check_redis_secrets(routes)
     _check(routes.max_stale_s > 0, "routes.max_stale_s", "must be > 0")
     _check(up.credentials in ("strip", "forward"), "upstream.credentials", '"strip" or "forward"')
     _check(1 <= up.envd_port <= 65535, "upstream.envd_port", "must be a port number")
@@ -271,6 +273,25 @@ def validate(config: Config) -> None:
         )
     _check(config.process.workers >= 1, "process.workers", "must be >= 1")
     _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
+
+
+def _check_redis_secrets(routes: Routes) -> None:
+    """The Redis password comes from a file or the environment, never the config (SPEC §6)."""
+    _check(
+        urllib.parse.urlsplit(routes.redis_url).password is None,
+        "routes.redis_url",
+        "must not hold a password; use routes.redis_password_file or redis_password_env",
+    )
+    _check(
+        not (routes.redis_password_file and routes.redis_password_env),
+        "routes.redis_password_env",
+        "set redis_password_file or redis_password_env, not both",
+    )
+    _check(
+        not routes.redis_ca_file or routes.redis_url.startswith("rediss://"),
+        "routes.redis_ca_file",
+        "needs a rediss:// URL",
+    )
 
 
 def split_address(address: str) -> tuple[str, int] | None:
