@@ -176,6 +176,7 @@ class LiveStream:
     truncated: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def _run(self, session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> None:
         try:
@@ -189,6 +190,7 @@ class LiveStream:
         finally:
             self.ended_at = time.monotonic()
             self.started.set()
+            self.ended.set()
 
     @classmethod
     async def open(
