@@ -22,6 +22,8 @@ from relay.runtime import Relay
 
 STREAM_CHUNK_INTERVAL_S = 0.05
 STREAM_MAX_S = 30.0  # a stream nobody revokes ends by itself: every loop is bounded
+# No request in these tests may hang: a stuck exchange fails the test within seconds.
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=10)
 
 
 def relay_config(tmp_path: Path, redis_url: str, **routes: Any) -> Config:

@@ -20,7 +20,16 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from tests.feeds.helpers import LiveStream, SandboxApp, delete, get, put, route, wait_until
+from tests.feeds.helpers import (
+    CLIENT_TIMEOUT,
+    LiveStream,
+    SandboxApp,
+    delete,
+    get,
+    put,
+    route,
+    wait_until,
+)
 from tests.feeds.redisproc import RedisProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -93,7 +102,7 @@ async def test_two_relays_converge_and_revoke_within_a_second(
 ) -> None:
     relays = [RelayProcess(tmp_path / f"relay{i}", redis_proc.url) for i in range(2)]
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
             for relay in relays:
                 relay.start()
             for relay in relays:
