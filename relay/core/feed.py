@@ -25,8 +25,8 @@ which is conservative. A stream deleted or recreated (last id going backwards) a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from relay.core.decide import FeedState
 from relay.core.model import Route
@@ -138,24 +138,44 @@ class Batch:
     errors: tuple[RouteError, ...]
 
 
-def fold(entries: Iterable[Mapping[bytes, bytes]], allowed: tuple[Network, ...]) -> Batch:
-    """Parse entries in stream order; the last change of each sandbox wins.
+@dataclass(slots=True)
+class Fold:
+    """The net effect of the entries read so far, in stream order; the last change of each
+    sandbox wins.
 
-    Folding makes puts and deletes disjoint, so the order in which ``RouteTable.apply``
-    applies them does not matter, and a sandbox put then deleted in one batch is one delete.
+    Folding as entries arrive keeps a long backlog's memory bounded by the sandboxes it
+    touches rather than by its entries, and makes puts and deletes disjoint, so the order in
+    which ``RouteTable.apply`` applies them does not matter (a put then a delete is a delete).
     """
-    final: dict[str, Route | None] = {}
-    errors: list[RouteError] = []
-    for fields in entries:
-        change, error = parse_event(fields, allowed)
+
+    allowed: tuple[Network, ...]
+    final: dict[str, Route | None] = field(default_factory=dict)
+    errors: list[RouteError] = field(default_factory=list)
+    count: int = 0  # entries added
+    last: StreamId | None = None  # id of the last entry added
+
+    def add(self, entry_id: StreamId, fields: Mapping[bytes, bytes]) -> None:
+        change, error = parse_event(fields, self.allowed)
+        self.count += 1
+        self.last = entry_id
         if error is not None:
-            errors.append(error)
+            self.errors.append(error)
         if change is not None:
-            final.pop(change.sandbox_id, None)  # keep insertion order = order of last change
-            final[change.sandbox_id] = change.route
-    puts = tuple(r for r in final.values() if r is not None)
-    deletes = tuple(sid for sid, r in final.items() if r is None)
-    return Batch(puts, deletes, tuple(errors))
+            self.final.pop(change.sandbox_id, None)  # insertion order = order of last change
+            self.final[change.sandbox_id] = change.route
+
+    def batch(self) -> Batch:
+        puts = tuple(r for r in self.final.values() if r is not None)
+        deletes = tuple(sid for sid, r in self.final.items() if r is None)
+        return Batch(puts, deletes, tuple(self.errors))
+
+
+def fold(entries: Iterable[Mapping[bytes, bytes]], allowed: tuple[Network, ...]) -> Batch:
+    """:class:`Fold` over a list of entries (ids not needed)."""
+    folding = Fold(allowed)
+    for fields in entries:
+        folding.add(ORIGIN, fields)
+    return folding.batch()
 
 
 def parse_snapshot(
@@ -222,16 +242,18 @@ def start_position(info: StreamInfo) -> Position:
     return Position(info.last_generated, info.entries_added)
 
 
-def advance(start: Position, read: Sequence[StreamId], info: StreamInfo) -> Position | None:
-    """The follower's new position after reading ``read`` (ids, ascending, every entry after
-    ``start`` up to the end of the stream as ``info`` saw it), or ``None`` when entries were
-    lost in between and the table must be resynced from the hash.
+def advance(
+    start: Position, info: StreamInfo, *, count: int, last: StreamId | None
+) -> Position | None:
+    """The follower's new position after reading ``count`` entries, the last one ``last``
+    (every entry after ``start`` up to the end of the stream as ``info`` saw it), or ``None``
+    when entries were lost in between and the table must be resynced from the hash.
     """
-    end = read[-1] if read else start.last_id
+    end = last if last is not None else start.last_id
     if info.last_generated < start.last_id or info.last_generated < end:
         return None  # the stream was deleted or recreated under us
     if info.entries_added is not None and start.added is not None:
-        if info.entries_added - start.added != len(read):
+        if info.entries_added - start.added != count:
             return None
         return Position(end, info.entries_added)
     # Redis < 7.0: no counter. Resync if our own position was trimmed away (conservative).

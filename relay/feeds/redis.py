@@ -55,13 +55,13 @@ from redis.exceptions import RedisError, ResponseError
 from relay.config import Config, ConfigError
 from relay.core.feed import (
     MISSING,
+    Fold,
     Position,
     StreamId,
     StreamInfo,
     advance,
     backoff_delay,
     events_key,
-    fold,
     format_stream_id,
     parse_snapshot,
     parse_stream_id,
@@ -303,8 +303,8 @@ class RedisFeed:
                 log.warning("route feed: backlog over %d entries, resyncing", self.max_backlog)
                 position = await self._snapshot(client)
                 continue
-            entries, info = read
-            moved = advance(position, [sid for sid, _ in entries], info)
+            folding, info = read
+            moved = advance(position, info, count=folding.count, last=folding.last)
             if moved is None:
                 self.gaps += 1
                 log.warning(
@@ -315,21 +315,21 @@ class RedisFeed:
                 )
                 position = await self._snapshot(client)
                 continue
-            if entries:
-                batch = fold([fields for _, fields in entries], self.allowed)
+            if folding.count:
+                batch = folding.batch()
                 if batch.errors:
                     self.sink.reject_routes(list(batch.errors), self.source)
                 self.sink.apply_routes(batch.puts, batch.deletes, self.source)
-                self.events += len(entries)
+                self.events += folding.count
             position = moved
             self.position = position
 
     async def _read_to_end(
         self, client: aioredis.Redis, after: StreamId
-    ) -> tuple[list[tuple[StreamId, dict[bytes, bytes]]], StreamInfo] | None:
-        """Every entry after ``after`` up to the end of the stream, and the stream's counters
-        as of the last read; ``None`` when the backlog is too long to be worth replaying."""
-        entries: list[tuple[StreamId, dict[bytes, bytes]]] = []
+    ) -> tuple[Fold, StreamInfo] | None:
+        """Every entry after ``after`` up to the end of the stream, folded, and the stream's
+        counters as of the last read; ``None`` when the backlog is too long to replay."""
+        folding = Fold(self.allowed)
         cursor = after
         while True:
             async with client.pipeline(transaction=True) as pipe:
@@ -342,10 +342,11 @@ class RedisFeed:
                 raise raw_read
             info = _info_or_missing(raw_info)
             got = _entries(raw_read)
-            entries.extend(got)
+            for entry_id, fields in got:
+                folding.add(entry_id, fields)
             if len(got) < self.read_count:
-                return entries, info
-            if len(entries) >= self.max_backlog:
+                return folding, info
+            if folding.count >= self.max_backlog:
                 return None
             cursor = got[-1][0]
 

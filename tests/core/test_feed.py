@@ -282,7 +282,8 @@ ADVANCES = [
 def test_advance(
     start: Position, read: list[tuple[int, int]], info: StreamInfo, expected: Position | None
 ) -> None:
-    assert advance(start, read, info) == expected
+    last = read[-1] if read else None
+    assert advance(start, info, count=len(read), last=last) == expected
 
 
 # -- staleness and backoff -----------------------------------------------------------------------
