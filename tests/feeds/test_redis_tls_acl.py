@@ -36,6 +36,11 @@ RELAY_ACL = (
     "resetkeys %R~relay:* resetchannels -@all "
     "+auth +hello +ping +multi +exec +hgetall +xread +xinfo|stream"
 )
+# The documented rules for a control-plane (writer) identity.
+WRITER_ACL = (
+    "resetkeys ~relay:* resetchannels -@all "
+    "+auth +hello +ping +multi +exec +hset +hdel +hgetall +xadd +xtrim"
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,7 @@ def tls_redis(tmp_path: Path) -> Iterator[TlsRedis]:
         "tls-auth-clients no",
         "user default on nopass ~* &* +@all",  # the control plane, in this test
         f"user relay on >{password} {RELAY_ACL}",
+        f"user control-plane on >{password}-cp {WRITER_ACL}",
     ]
     try:
         server.start()
@@ -274,3 +280,26 @@ def test_cli_over_tls_with_the_password_from_the_environment(
     err = capsys.readouterr().err
     assert "NOPERM" in err or "permission" in err.lower()
     assert tls_redis.password not in err
+
+
+def test_cli_as_the_documented_control_plane_identity(
+    tmp_path: Path,
+    tls_redis: TlsRedis,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``relay routes put/delete/list`` work with the writer ACL of docs/route-feed.md."""
+    monkeypatch.setenv("RELAY_TEST_REDIS_PASSWORD", tls_redis.password + "-cp")
+    config = tmp_path / "writer.toml"
+    config.write_text(
+        f'[routes]\nsource = "redis"\nredis_url = "{tls_redis.url}"\n'
+        'redis_username = "control-plane"\nredis_password_env = "RELAY_TEST_REDIS_PASSWORD"\n'
+        f'redis_ca_file = "{tls_redis.tls.ca}"\n'
+    )
+    route_file = tmp_path / "route.json"
+    route_file.write_text(dumps(route("bycp")))
+    assert main(["routes", "put", str(route_file), "--config", str(config)]) == 0
+    assert main(["routes", "list", "--config", str(config)]) == 0
+    assert '"sandbox_id": "bycp"' in capsys.readouterr().out
+    assert main(["routes", "delete", "bycp", "--config", str(config)]) == 0
+    assert "deleted bycp" in capsys.readouterr().out
