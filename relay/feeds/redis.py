@@ -220,11 +220,11 @@ class RedisFeed:
                 await self._follow(client, position)
             except (RedisError, OSError) as exc:
                 _honour_cancel()  # a lost cancellation may surface as a connection error
-                self._failed(exc)
+                reason = self._failed(exc)
             except Exception as exc:  # a bug; keep the feed alive, the stale clock is running
                 _honour_cancel()
                 log.exception("route feed: unexpected error")
-                self._failed(exc)
+                reason = self._failed(exc)
             finally:
                 with contextlib.suppress(Exception):
                     await client.aclose()
@@ -232,15 +232,11 @@ class RedisFeed:
                 attempt, base_s=self.backoff_base_s, cap_s=self.backoff_cap_s, draw=self.draw()
             )
             attempt += 1
-            log.warning(
-                "route feed: %s unreachable (attempt %d), retrying in %.2fs",
-                self.target.server,
-                attempt,
-                delay,
-            )
+            log.warning("route feed: %s; retry %d in %.2fs", reason, attempt, delay)
             await asyncio.sleep(delay)
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException) -> str:
+        """Count a failure; the first of an outage is reported and starts the stale clock."""
         self.failures += 1
         self.position = None
         message = f"{self.target.server}: {type(exc).__name__}: {exc}"
@@ -249,8 +245,7 @@ class RedisFeed:
             since = self._last_ok if self._last_ok is not None else self.clock()
             self.sink.feed_failed(self.source, message)
             self.sink.feed_broken(since)
-        else:
-            log.debug("route feed still down: %s", message)
+        return message
 
     def _ok(self) -> None:
         self._last_ok = self.clock()
