@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from relay.core.model import Route
-from relay.core.routes import RouteError
+from relay.core.routes import Network, RouteError
 
 
 class Sink(Protocol):
@@ -46,6 +46,7 @@ class Feed(Protocol):
     """A route source as the relay runs it."""
 
     source: str
+    allowed: tuple[Network, ...]  # upstream.allowed_cidrs; a reload may replace it
 
     async def run(self) -> None:
         """Deliver tables to the sink until cancelled."""
