@@ -276,16 +276,28 @@ def validate(config: Config) -> None:
 
 
 def _check_redis_secrets(routes: Routes) -> None:
-    """The Redis password comes from a file or the environment, never the config (SPEC §6)."""
-    _check(
-        urllib.parse.urlsplit(routes.redis_url).password is None,
-        "routes.redis_url",
-        "must not hold a password; use routes.redis_password_file or redis_password_env",
-    )
+    """Where the Redis identity comes from must be unambiguous.
+
+    The password belongs in ``redis_password_file`` or ``redis_password_env`` (SPEC §6); a
+    password inside ``redis_url`` is still accepted (``check-config`` redacts it, the feed
+    logs a warning) but not together with those keys, because redis-py would silently
+    prefer the URL's.
+    """
+    url = urllib.parse.urlsplit(routes.redis_url)
     _check(
         not (routes.redis_password_file and routes.redis_password_env),
         "routes.redis_password_env",
         "set redis_password_file or redis_password_env, not both",
+    )
+    _check(
+        url.password is None or not (routes.redis_password_file or routes.redis_password_env),
+        "routes.redis_url",
+        "holds a password while redis_password_file or redis_password_env is set",
+    )
+    _check(
+        not (url.username and routes.redis_username),
+        "routes.redis_username",
+        "redis_url names a user already",
     )
     _check(
         not routes.redis_ca_file or routes.redis_url.startswith("rediss://"),

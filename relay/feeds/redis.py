@@ -206,6 +206,11 @@ class RedisFeed:
         return True
 
     async def run(self) -> None:
+        if urllib.parse.urlsplit(self.target.url).password is not None:
+            log.warning(
+                "routes.redis_url holds a password; prefer routes.redis_password_file or "
+                "routes.redis_password_env, which keep it out of the configuration file"
+            )
         attempt = 0
         while True:
             client = connect(self.target, socket_timeout=self.block_ms / 1000 + 5.0)

@@ -204,10 +204,13 @@ def test_redis_unreachable_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "relay.toml"
-    config.write_text('[routes]\nsource = "redis"\nredis_url = "redis://u:secret@127.0.0.1:1"\n')
+    config.write_text(
+        '[routes]\nsource = "redis"\nredis_url = "redis://u:secret@127.0.0.1:1"\n'
+        'redis_password_env = "SOME_VAR"\n'
+    )
     assert main(["routes", "list", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert "routes.redis_url" in err
+    assert "routes.redis_url: holds a password while" in err
     assert "secret" not in err
     config.write_text(
         '[routes]\nsource = "redis"\nredis_url = "redis://127.0.0.1:1"\n'
@@ -215,3 +218,8 @@ def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     assert main(["routes", "list", "--config", str(config)]) == 2
     assert "routes.redis_password_file" in capsys.readouterr().err
+    config.write_text(
+        '[routes]\nsource = "redis"\nredis_url = "redis://127.0.0.1:1"\nredis_ca_file = "ca.pem"\n'
+    )
+    assert main(["routes", "list", "--config", str(config)]) == 2
+    assert "routes.redis_ca_file: needs a rediss:// URL" in capsys.readouterr().err
