@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 FUZZ_SECONDS ?= 30
 
-.PHONY: run test lint typecheck pytest fuzz clean
+.PHONY: run test lint typecheck pytest fuzz clean redis-server bench
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "relay needs Python >= 3.11")'
@@ -45,7 +45,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy relay tests
 
-pytest: $(STAMP)
+# The route-feed tests start their own redis-server (loopback, free port, temp dir); install
+# it when missing (Debian/Ubuntu), with sudo unless root. Its packaged service is not used.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  echo "installing redis-server (apt-get)"; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server \
+	  || { $$SUDO apt-get update -q \
+	       && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }; \
+	}
+
+pytest: $(STAMP) redis-server
 	$(BIN)/pytest
 
 test: lint typecheck pytest

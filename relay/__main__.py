@@ -1,4 +1,4 @@
-"""Command line: ``relay serve | check-config | sign-url | --version`` (SPEC §7).
+"""Command line: ``relay serve | check-config | routes | sign-url | --version`` (SPEC §7).
 
 Exit codes: 0 success, 2 configuration or usage error (the message names the bad key),
 1 anything else.
@@ -17,7 +17,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from relay import __version__, accesslog
+from relay import __version__, accesslog, routes_cli
 from relay.config import Config, ConfigError, load
 from relay.core.auth import file_signature
 from relay.core.routes import parse_routes
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CONFIG
     handler = {"serve": _serve, "check-config": _check_config, "sign-url": _sign_url}
+    handler["routes"] = routes_cli.run
     try:
         return handler[args.command](args)
     except ConfigError as exc:
@@ -70,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--token-env", help="environment variable holding the token")
     token.add_argument("--sandbox", help="take the token of this sandbox's route (needs --config)")
     sign.add_argument("--config", help="configuration whose route source holds --sandbox")
+    routes_cli.add_parser(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ import os
 import tomllib
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -249,6 +250,7 @@ def validate(config: Config) -> None:
             "routes.redis_url",
             "must be a redis:// or rediss:// URL",
         )
+        _check_redis_secrets(routes)
     _check(routes.max_stale_s > 0, "routes.max_stale_s", "must be > 0")
     _check(up.credentials in ("strip", "forward"), "upstream.credentials", '"strip" or "forward"')
     _check(1 <= up.envd_port <= 65535, "upstream.envd_port", "must be a port number")
@@ -273,6 +275,37 @@ def validate(config: Config) -> None:
         )
     _check(config.process.workers >= 1, "process.workers", "must be >= 1")
     _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
+
+
+def _check_redis_secrets(routes: Routes) -> None:
+    """Where the Redis identity comes from must be unambiguous.
+
+    The password belongs in ``redis_password_file`` or ``redis_password_env`` (SPEC §6); a
+    password inside ``redis_url`` is still accepted (``check-config`` redacts it, the feed
+    logs a warning) but not together with those keys, because redis-py would silently
+    prefer the URL's.
+    """
+    url = urllib.parse.urlsplit(routes.redis_url)
+    _check(
+        not (routes.redis_password_file and routes.redis_password_env),
+        "routes.redis_password_env",
+        "set redis_password_file or redis_password_env, not both",
+    )
+    _check(
+        url.password is None or not (routes.redis_password_file or routes.redis_password_env),
+        "routes.redis_url",
+        "holds a password while redis_password_file or redis_password_env is set",
+    )
+    _check(
+        not (url.username and routes.redis_username),
+        "routes.redis_username",
+        "redis_url names a user already",
+    )
+    _check(
+        not routes.redis_ca_file or routes.redis_url.startswith("rediss://"),
+        "routes.redis_ca_file",
+        "needs a rediss:// URL",
+    )
 
 
 def split_address(address: str) -> tuple[str, int] | None:

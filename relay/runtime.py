@@ -13,7 +13,7 @@ import contextlib
 import ipaddress
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -22,9 +22,10 @@ from relay import admin, netlink
 from relay.accesslog import ACCESS_LOG
 from relay.config import Config, networks, parse_http_url, split_address
 from relay.core.decide import FeedState, decide
+from relay.core.feed import freshness
 from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route
 from relay.core.routes import RouteError, RouteTable
-from relay.feeds.file import FileFeed
+from relay.feeds import open_feed
 from relay.observe import Observer
 from relay.reload import reload_settings
 from relay.server import ClientConnection, Timers
@@ -131,12 +132,9 @@ class Relay:
             assert parsed is not None  # validated with the config
             self.management_address = parsed
         self.tls: ReloadableContext | None = None
-        self.feed = FileFeed(
-            self,
-            config.path(config.routes.file),
-            self.allowed_cidrs,
-            config.routes.poll_interval_s,
-        )
+        self._broken_since: float | None = None  # stale clock (see feed_broken)
+        self._stale_timer: asyncio.TimerHandle | None = None
+        self.feed = open_feed(self, config)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._servers: list[asyncio.AbstractServer] = []
         self._admin: web.AppRunner | None = None
@@ -220,6 +218,47 @@ class Relay:
 
     def feed_failed(self, source: str, message: str) -> None:
         self.observer.feed_error(source, message)
+
+    def apply_routes(self, puts: Iterable[Route], deletes: Iterable[str], source: str) -> None:
+        """A batch of changes from a following feed, swapped in at once (no request sees
+        half of it); what it changed is revoked (SPEC §3)."""
+        table, revoked = self.table.apply(puts, deletes)
+        self.table = table
+        if revoked:
+            self.revoke(revoked)
+
+    def feed_broken(self, since: float) -> None:
+        """The feed lost its source; ``since`` (monotonic) starts the stale clock."""
+        if self._broken_since is None:
+            self._broken_since = since
+        self._refresh_feed_state()
+
+    def feed_restored(self) -> None:
+        """The feed is back and resynced (after ``install_routes``): the clock stops."""
+        self._broken_since = None
+        self._refresh_feed_state()
+
+    def _refresh_feed_state(self) -> None:
+        """Recompute ``feed_state`` now and arm a timer for the moment it turns stale."""
+        if self._stale_timer is not None:
+            self._stale_timer.cancel()
+            self._stale_timer = None
+        max_stale_s = self.config.routes.max_stale_s
+        now = time.monotonic()
+        state = freshness(
+            ready=self.feed_state.ready,
+            broken_since=self._broken_since,
+            now=now,
+            max_stale_s=max_stale_s,
+        )
+        if state != self.feed_state:
+            if state.stale:
+                log.error("route cache is stale: feed down for over %.0fs", max_stale_s)
+            self.feed_state = state
+        if self._broken_since is not None and state.ready and not state.stale:
+            delay = max(0.0, self._broken_since + max_stale_s - now)
+            loop = asyncio.get_running_loop()
+            self._stale_timer = loop.call_later(delay, self._refresh_feed_state)
 
     # -- tasks ----------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

@@ -1,0 +1,19 @@
+"""Route sources: ``file`` (embedded default) and ``redis`` (fleets). SPEC §3."""
+
+from __future__ import annotations
+
+from relay.config import Config
+from relay.feeds.sink import Feed, StreamSink
+
+
+def open_feed(sink: StreamSink, config: Config) -> Feed:
+    """The feed ``routes.source`` names; raises ConfigError (naming the key) for bad secrets."""
+    if config.routes.source == "redis":
+        from relay.feeds.redis import RedisFeed, redis_target  # noqa: PLC0415 (needs redis-py)
+
+        return RedisFeed(sink, redis_target(config), config.allowed_cidrs())
+    from relay.feeds.file import FileFeed  # noqa: PLC0415
+
+    return FileFeed(
+        sink, config.path(config.routes.file), config.allowed_cidrs(), config.routes.poll_interval_s
+    )

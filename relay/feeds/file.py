@@ -17,18 +17,12 @@ import asyncio
 import json
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from relay.core.model import Route
-from relay.core.routes import Network, RouteError, parse_routes
+from relay.core.routes import Network, parse_routes
+from relay.feeds.sink import Sink
 
-
-class Sink(Protocol):
-    """Where a feed delivers tables (implemented by :class:`relay.runtime.Relay`)."""
-
-    def install_routes(self, routes: dict[str, Route], source: str) -> None: ...
-    def reject_routes(self, errors: list[RouteError], source: str) -> None: ...
-    def feed_failed(self, source: str, message: str) -> None: ...
+__all__ = ["FileError", "FileFeed", "Sink", "read_routes_file", "write_routes_file"]
 
 
 class FileError(ValueError):

@@ -1,0 +1,225 @@
+"""``relay routes put|delete|list`` for both sources (relay/routes_cli.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from relay.__main__ import main
+from tests.feeds.helpers import dumps, route
+from tests.feeds.redisproc import RedisProcess, free_port
+
+
+def file_config(tmp_path: Path) -> Path:
+    config = tmp_path / "relay.toml"
+    config.write_text('[routes]\nsource = "file"\nfile = "routes.json"\n')
+    return config
+
+
+def redis_config(tmp_path: Path, url: str) -> Path:
+    config = tmp_path / "relay.toml"
+    config.write_text(f'[routes]\nsource = "redis"\nredis_url = "{url}"\n')
+    return config
+
+
+def write_json(path: Path, doc: Any) -> Path:
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def listed(capsys: pytest.CaptureFixture[str], config: Path) -> list[dict[str, Any]]:
+    capsys.readouterr()
+    assert main(["routes", "list", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "tok-" not in out  # no token, ever
+    views: list[dict[str, Any]] = json.loads(out)["routes"]
+    return views
+
+
+@pytest.fixture
+def sync_writer(redis_proc: RedisProcess) -> Any:
+    client = redis.Redis.from_url(redis_proc.url, protocol=2)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+# -- file source -------------------------------------------------------------------------------
+
+
+def test_file_put_list_delete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = file_config(tmp_path)
+    one = write_json(tmp_path / "one.json", route("aaa", generation=1))
+    assert main(["routes", "put", str(one), "--config", str(config)]) == 0
+    many = write_json(
+        tmp_path / "many.json", {"routes": [route("aaa", generation=2), route("bbb")]}
+    )
+    assert main(["routes", "put", str(many), "--config", str(config)]) == 0
+    views = listed(capsys, config)
+    assert [(v["sandbox_id"], v["generation"]) for v in views] == [("aaa", 2), ("bbb", 0)]
+    assert set(views[0]) == {
+        "sandbox_id",
+        "address",
+        "generation",
+        "insecure",
+        "max_connections",
+        "has_traffic_token",
+    }
+    assert main(["routes", "delete", "aaa", "--config", str(config)]) == 0
+    assert main(["routes", "delete", "aaa", "--config", str(config)]) == 0  # idempotent
+    assert "had no route" in capsys.readouterr().out
+    assert [v["sandbox_id"] for v in listed(capsys, config)] == ["bbb"]
+    stored = json.loads((tmp_path / "routes.json").read_text())
+    assert stored["routes"][0]["envd_token"] == "tok-bbb"  # the file keeps the full route
+
+
+def test_put_from_stdin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = file_config(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO(dumps(route("fromstdin"))))
+    assert main(["routes", "put", "-", "--config", str(config)]) == 0
+    assert [v["sandbox_id"] for v in listed(capsys, config)] == ["fromstdin"]
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        pytest.param("{not json", "not valid JSON", id="not-json"),
+        pytest.param("[1, 2]", "one route object or", id="a-list"),
+        pytest.param('{"routes": {}}', '"routes" must be a list', id="routes-not-list"),
+        pytest.param('{"routes": [], "x": 1}', "unknown top-level key(s): x", id="extra-key"),
+        pytest.param(
+            json.dumps({"routes": [route("okay"), {**route("bad"), "address": "8.8.8.8"}]}),
+            "route #1 (sandbox_id bad): address is outside upstream.allowed_cidrs",
+            id="one-bad-of-two",
+        ),
+        pytest.param(
+            json.dumps({**route("x"), "sandbox_id": "UPPER"}),
+            "route #0 (sandbox_id ?): sandbox_id must match",
+            id="bad-id",
+        ),
+        pytest.param(
+            json.dumps({"routes": [route("twice"), route("twice")]}),
+            "sandbox_id twice appears more than once",
+            id="duplicate",
+        ),
+        pytest.param(
+            json.dumps({**route("x"), "colour": "blue"}), "unknown field(s): colour", id="unknown"
+        ),
+    ],
+)
+def test_invalid_input_exits_2_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: str, message: str
+) -> None:
+    config = file_config(tmp_path)
+    source = tmp_path / "input.json"
+    source.write_text(doc)
+    assert main(["routes", "put", str(source), "--config", str(config)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "routes.json").exists()
+
+
+def test_invalid_delete_id_and_missing_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = file_config(tmp_path)
+    assert main(["routes", "delete", "Not-An-Id", "--config", str(config)]) == 2
+    assert "is not a sandbox id" in capsys.readouterr().err
+    assert main(["routes", "put", str(tmp_path / "nope.json"), "--config", str(config)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_list_reports_a_broken_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = file_config(tmp_path)
+    (tmp_path / "routes.json").write_text("{")
+    assert main(["routes", "list", "--config", str(config)]) == 1
+    assert "invalid JSON" in capsys.readouterr().err
+
+
+# -- redis source ------------------------------------------------------------------------------
+
+
+def test_redis_put_list_delete(
+    tmp_path: Path,
+    redis_proc: RedisProcess,
+    sync_writer: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = redis_config(tmp_path, redis_proc.url)
+    many = write_json(tmp_path / "many.json", {"routes": [route("aaa"), route("bbb")]})
+    assert main(["routes", "put", str(many), "--config", str(config)]) == 0
+    assert sync_writer.hlen("relay:routes") == 2
+    events: list[Any] = sync_writer.xrange("relay:routes:events")  # type: ignore[assignment]
+    assert [e[1][b"op"] for e in events] == [b"put", b"put"]
+    assert [e[1][b"id"] for e in events] == [b"aaa", b"bbb"]
+    assert json.loads(events[0][1][b"route"]) == route("aaa")
+    assert json.loads(sync_writer.hget("relay:routes", "aaa") or b"") == route("aaa")
+
+    assert [v["sandbox_id"] for v in listed(capsys, config)] == ["aaa", "bbb"]
+    assert main(["routes", "delete", "aaa", "--config", str(config)]) == 0
+    assert sync_writer.hlen("relay:routes") == 1
+    newest: list[Any] = sync_writer.xrevrange("relay:routes:events", count=1)  # type: ignore[assignment]
+    assert newest[0][1] == {b"op": b"delete", b"id": b"aaa"}
+    # A malformed value written by someone else is reported, the rest listed.
+    sync_writer.hset("relay:routes", "junk", "{")
+    assert [v["sandbox_id"] for v in listed(capsys, config)] == ["bbb"]
+
+
+def test_redis_invalid_input_writes_nothing(
+    tmp_path: Path,
+    redis_proc: RedisProcess,
+    sync_writer: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = redis_config(tmp_path, redis_proc.url)
+    doc = {"routes": [route("fine"), {**route("bad"), "generation": -1}]}
+    source = write_json(tmp_path / "in.json", doc)
+    assert main(["routes", "put", str(source), "--config", str(config)]) == 2
+    assert "generation must be an integer >= 0" in capsys.readouterr().err
+    assert sync_writer.exists("relay:routes", "relay:routes:events") == 0
+
+
+def test_redis_put_trims_the_stream(
+    tmp_path: Path, redis_proc: RedisProcess, sync_writer: redis.Redis
+) -> None:
+    config = redis_config(tmp_path, redis_proc.url)
+    source = write_json(tmp_path / "in.json", {"routes": [route(f"r{i}") for i in range(300)]})
+    assert main(["routes", "put", str(source), "--config", str(config), "--maxlen", "100"]) == 0
+    assert sync_writer.hlen("relay:routes") == 300
+    assert sync_writer.xlen("relay:routes:events") < 300  # MAXLEN ~ trims whole nodes
+
+
+def test_redis_unreachable_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = redis_config(tmp_path, f"redis://127.0.0.1:{free_port()}")
+    assert main(["routes", "list", "--config", str(config)]) == 1
+    assert "relay: redis 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "relay.toml"
+    config.write_text(
+        '[routes]\nsource = "redis"\nredis_url = "redis://u:secret@127.0.0.1:1"\n'
+        'redis_password_env = "SOME_VAR"\n'
+    )
+    assert main(["routes", "list", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "routes.redis_url: holds a password while" in err
+    assert "secret" not in err
+    config.write_text(
+        '[routes]\nsource = "redis"\nredis_url = "redis://127.0.0.1:1"\n'
+        'redis_password_file = "missing-password"\n'
+    )
+    assert main(["routes", "list", "--config", str(config)]) == 2
+    assert "routes.redis_password_file" in capsys.readouterr().err
+    config.write_text(
+        '[routes]\nsource = "redis"\nredis_url = "redis://127.0.0.1:1"\nredis_ca_file = "ca.pem"\n'
+    )
+    assert main(["routes", "list", "--config", str(config)]) == 2
+    assert "routes.redis_ca_file: needs a rediss:// URL" in capsys.readouterr().err
