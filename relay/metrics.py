@@ -105,6 +105,13 @@ SPECS: dict[str, Spec] = {
         "counter", "Routes rejected by validation, by feed source", ("source",)
     ),
     "relay_feed_errors": Spec("counter", "Route feed failures, by source", ("source",)),
+    "relay_feed_snapshots": Spec(
+        "counter", "Full route tables loaded by the Redis feed (start, reconnect, gap, SIGHUP)"
+    ),
+    "relay_feed_gaps": Spec(
+        "counter", "Redis feed resyncs because unread stream entries were trimmed away"
+    ),
+    "relay_feed_events": Spec("counter", "Route stream entries applied by the Redis feed"),
     "relay_reloads": Spec("counter", "Configuration reloads (SIGHUP), by result", ("result",)),
     "relay_tls_reloads": Spec(
         "counter", "TLS certificate reloads (SIGHUP), by result", ("result",)
@@ -180,6 +187,10 @@ def snapshot(relay: Relay) -> Snapshot:
             "relay_revoked_exchanges": [[[], obs.revoked_exchanges]],
             "relay_route_rejections": _pairs(obs.route_rejections.items()),
             "relay_feed_errors": _pairs(obs.feed_failures.items()),
+            # The file feed has none of these: they stay 0.
+            "relay_feed_snapshots": [[[], getattr(relay.feed, "snapshots", 0)]],
+            "relay_feed_gaps": [[[], getattr(relay.feed, "gaps", 0)]],
+            "relay_feed_events": [[[], getattr(relay.feed, "events", 0)]],
             "relay_reloads": _pairs(obs.reloads.items()),
             "relay_tls_reloads": _pairs(obs.tls_reloads.items()),
         },

@@ -231,11 +231,14 @@ class Relay:
         """The feed lost its source; ``since`` (monotonic) starts the stale clock."""
         if self._broken_since is None:
             self._broken_since = since
+        if self.observer.feed_failing_since is None:
+            self.observer.feed_failing_since = since  # relay_feed_staleness_seconds
         self._refresh_feed_state()
 
     def feed_restored(self) -> None:
         """The feed is back and resynced (after ``install_routes``): the clock stops."""
         self._broken_since = None
+        self.observer.feed_failing_since = None
         self._refresh_feed_state()
 
     def _refresh_feed_state(self) -> None:

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from relay import metrics
 from relay.core.routes import Network, RouteTable
 from relay.feeds.redis import RedisFeed, RedisTarget
 from relay.runtime import Relay
@@ -405,6 +406,11 @@ async def test_trimmed_while_paused_resyncs(
         assert route_t0 is not None
         assert route_t0.generation == 5
         assert feed.failures == 0  # noticed while connected, not by reconnecting
+        counters = dict(
+            (name, rows[0][1]) for name, rows in metrics.snapshot(relay)["counters"].items() if rows
+        )
+        assert counters["relay_feed_gaps"] == 1
+        assert counters["relay_feed_snapshots"] == 2
     finally:
         await relay.stop()
 
