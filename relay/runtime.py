@@ -21,7 +21,7 @@ from aiohttp import web
 from relay import admin, netlink
 from relay.accesslog import ACCESS_LOG
 from relay.config import Config, networks, parse_http_url, split_address
-from relay.core.decide import FeedState, decide
+from relay.core.decide import FeedState, Settings, decide
 from relay.core.feed import freshness
 from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route
 from relay.core.routes import RouteError, RouteTable
@@ -96,6 +96,19 @@ def tune_allocator() -> bool:
     return trimmed == 1 and mapped == 1
 
 
+DECISION_MEMORY = 4096
+
+
+def _rememberable(decision: Decision, head: RequestHead) -> bool:
+    """Whether ``decision`` depends on the head, table, settings and feed state alone."""
+    query = head.target.partition(b"?")[2]
+    if b"expiration" in query or b"%" in query:
+        return False  # a signed URL's expiry is checked against the clock (in any spelling)
+    if isinstance(decision, Forward):
+        return not (decision.route is not None and decision.route.max_connections)
+    return decision.reason is not Reason.SANDBOX_LIMIT
+
+
 class Live(Protocol):
     """An exchange or splice that a revocation can end."""
 
@@ -108,11 +121,12 @@ class Live(Protocol):
 class Relay:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.settings = config.settings()
+        self._decisions: dict[tuple[object, ...], Decision] = {}
+        self._settings = config.settings()
         self.allowed_cidrs = config.allowed_cidrs()
         self.allowed_clients = networks(config.listen.allowed_clients)
-        self.table = RouteTable()
-        self.feed_state = FeedState(ready=False)
+        self._table = RouteTable()
+        self._feed_state = FeedState(ready=False)
         self.observer = Observer()
         self.pool = Pool(
             connect_timeout_s=config.upstream.connect_timeout_s,
@@ -143,17 +157,72 @@ class Relay:
         self.admin_socket: str | None = None  # a worker's admin app listens here instead
 
     # -- decisions ----------------------------------------------------------------------------
+    # -- the inputs of decide(); changing one forgets every remembered decision ------------
+    @property
+    def table(self) -> RouteTable:
+        return self._table
+
+    @table.setter
+    def table(self, table: RouteTable) -> None:
+        self._table = table
+        self._decisions.clear()
+
+    @property
+    def feed_state(self) -> FeedState:
+        return self._feed_state
+
+    @feed_state.setter
+    def feed_state(self, state: FeedState) -> None:
+        self._feed_state = state
+        self._decisions.clear()
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        self._settings = settings
+        self._decisions.clear()
+
     def decide(self, head: RequestHead) -> Decision:
+        """``relay.core.decide`` for this relay, remembering recent decisions.
+
+        ``decide`` is a pure function of the request head, the route table, the settings and
+        the feed state, plus the clock (signature expirations only) and the in-flight counts
+        (per-sandbox limits only). Clients repeat the same heads over and over (an SDK sends
+        the same Host, token and headers on every call), so decisions are remembered, keyed by
+        the whole head, until the table, the settings or the feed state change. Decisions
+        that read the clock or the counts are never remembered. Bounded: the memory is
+        dropped whenever it holds 4,096 decisions.
+        """
         if self.draining:
             return Reject(reason=Reason.DRAINING, retry_after=1)
-        return decide(
+        key = (
+            head.method,
+            head.target,
+            head.version,
+            head.headers,
+            head.peer,
+            head.tls,
+            head.upgrade,
+        )
+        decision = self._decisions.get(key)
+        if decision is not None:
+            return decision
+        decision = decide(
             head,
-            self.table,
-            self.settings,
-            feed=self.feed_state,
+            self._table,
+            self._settings,
+            feed=self._feed_state,
             now=int(time.time()),
             inflight=self.inflight,
         )
+        if _rememberable(decision, head):
+            if len(self._decisions) >= DECISION_MEMORY:
+                self._decisions.clear()
+            self._decisions[key] = decision
+        return decision
 
     def admit(self, conn: ClientConnection) -> bool:
         """Admission of a new client connection; False when it was turned away."""
