@@ -514,14 +514,14 @@ class Exchange:
                 return
             self._out.append(responses.upgrade_head(self._resp_reason, raw))
             return
-        plan = responses.plan_response(
+        plan = responses.plan_response_cached(
             status,
             self._resp_reason or reason_phrase(status),
             raw,
-            method=self.head.method,
-            client_version=self.head.version,
-            keep_alive=self.keep_alive,
-            websocket=decision.websocket,
+            self.head.method,
+            self.head.version,
+            self.keep_alive,
+            decision.websocket,
         )
         self._client_framing = plan.framing
         self.keep_alive = plan.keep_alive

@@ -56,6 +56,14 @@ class Histogram:
         self.total += value
 
 
+_STATUS_CLASSES = ("none", "1xx", "2xx", "3xx", "4xx", "5xx")
+
+
+def status_class(status: int) -> str:
+    """The ``status`` label: ``2xx`` ..., ``none`` when no response was sent."""
+    return _STATUS_CLASSES[status // 100] if 100 <= status <= 599 else "none"
+
+
 class Observer:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, str]] = Counter()  # (kind, status class)
@@ -83,7 +91,7 @@ class Observer:
     def connection_refused(self, reject: Reject, peer: str) -> None:
         """A refusal with no exchange (unparseable request, 431, slow head, overload)."""
         self.refused(reject, peer)
-        self.requests[("refused", f"{reject.status // 100}xx")] += 1
+        self.requests[("refused", status_class(reject.status))] += 1
         if ACCESS_LOG.enabled:
             ACCESS_LOG.write(
                 time=time.time(),
@@ -123,7 +131,7 @@ class Observer:
         decision = exchange.decision
         kind = decision.kind.value if isinstance(decision, Forward) else "refused"
         status = exchange.status
-        self.requests[(kind, f"{status // 100}xx" if status else "none")] += 1
+        self.requests[(kind, status_class(status))] += 1
         self.bytes_in += exchange.bytes_in
         self.bytes_out += exchange.bytes_out
         if not ACCESS_LOG.enabled:

@@ -11,6 +11,7 @@ fields and serialised with a single join.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from relay.core.headers import HOP_BY_HOP, connection_tokens
@@ -19,6 +20,7 @@ from relay.core.model import Framing, Headers
 CONNECT_TYPE = b"application/connect+json"
 # Connection options that name no field: nothing more to remove when these are all it says.
 _PLAIN_OPTIONS = frozenset({b"keep-alive", b"close", b"upgrade"})
+_PLAIN_VALUES = frozenset({b"keep-alive", b"close", b"upgrade"})
 _STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
 
 
@@ -69,7 +71,7 @@ def end_to_end(headers: Headers) -> tuple[list[tuple[bytes, bytes]], dict[bytes,
         if low == b"content-type" and low not in seen:
             seen[low] = value
         out.append((name, value))
-    if connection is not None:
+    if connection is not None and any(v.lower() not in _PLAIN_VALUES for v in connection):
         named = connection_tokens(connection) - _PLAIN_OPTIONS
         if named:
             out = [pair for pair in out if pair[0].lower() not in named]
@@ -121,6 +123,30 @@ def plan_response(
         keep_alive=keep_alive,
         connect_stream=connect_stream,
         ends_at_head=ends_at_head,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_response_cached(
+    status: int,
+    reason: bytes,
+    headers: Headers,
+    method: bytes,
+    client_version: str,
+    keep_alive: bool,
+    websocket: bool,
+) -> ResponsePlan:
+    """:func:`plan_response`, memoised (bounded): an upstream repeats the same heads (an app's
+    static answers, envd's stream heads), and planning one costs more than hashing it. The
+    plan is shared, so nothing may mutate it."""
+    return plan_response(
+        status,
+        reason,
+        headers,
+        method=method,
+        client_version=client_version,
+        keep_alive=keep_alive,
+        websocket=websocket,
     )
 
 
