@@ -23,12 +23,12 @@ import re
 from dataclasses import dataclass
 
 from relay.core.model import Reason, Reject, Route
+from relay.core.policy import percent_decode
 
 SIGNED_PARAMS = frozenset({b"path", b"username", b"signature", b"signature_expiration"})
 STRIPPED_PARAMS = frozenset({b"signature", b"signature_expiration"})
 _EXPIRATION = re.compile(rb"[0-9]{1,19}")
 _INT64_MAX = 2**63 - 1
-_HEX = frozenset(b"0123456789abcdefABCDEF")
 
 UNAUTHORIZED = Reject(reason=Reason.ENVD_UNAUTHORIZED)
 
@@ -51,21 +51,7 @@ def file_signature(
 
 def go_query_unescape(raw: bytes) -> bytes | None:
     """Go's ``url.QueryUnescape``: ``+`` is a space, ``%XX`` must be hex; None if malformed."""
-    if b"%" not in raw:
-        return raw.replace(b"+", b" ")
-    out = bytearray()
-    i, n = 0, len(raw)
-    while i < n:
-        c = raw[i]
-        if c == 0x25:  # '%'
-            if i + 2 >= n or raw[i + 1] not in _HEX or raw[i + 2] not in _HEX:
-                return None
-            out.append(int(raw[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            out.append(0x20 if c == 0x2B else c)
-            i += 1
-    return bytes(out)
+    return percent_decode(raw, plus_is_space=True)
 
 
 def go_parse_query(raw: bytes) -> list[tuple[bytes, bytes]]:
@@ -80,6 +66,29 @@ def go_parse_query(raw: bytes) -> list[tuple[bytes, bytes]]:
             continue
         pairs.append((dkey, dvalue))
     return pairs
+
+
+def signed_params(raw: bytes) -> dict[bytes, list[bytes]]:
+    """The four signed parameters as ``go_parse_query`` would give them, in order.
+
+    Only those pairs have their value decoded: a query's other values do not matter here.
+    """
+    params: dict[bytes, list[bytes]] = {}
+    for segment in raw.split(b"&"):
+        if not segment or b";" in segment:
+            continue  # Go >= 1.17 rejects ';' separators; Query() drops the pair
+        key, _, value = segment.partition(b"=")
+        if b"%" in key or b"+" in key:
+            decoded_key = go_query_unescape(key)
+            if decoded_key is None:
+                continue
+            key = decoded_key
+        if key not in SIGNED_PARAMS:
+            continue
+        decoded = go_query_unescape(value)
+        if decoded is not None:  # a malformed escape drops the pair, as in Go
+            params.setdefault(key, []).append(decoded)
+    return params
 
 
 def strip_signature_params(raw_query: bytes) -> bytes:
@@ -130,10 +139,7 @@ def check_envd(request: EnvdRequest, route: Route, now: int) -> Reject | None:
 
 
 def check_signature(request: EnvdRequest, token: str, now: int) -> Reject | None:
-    params: dict[bytes, list[bytes]] = {}
-    for key, value in go_parse_query(request.raw_query or b""):
-        if key in SIGNED_PARAMS:
-            params.setdefault(key, []).append(value)
+    params = signed_params(request.raw_query or b"")
     if any(len(values) > 1 for values in params.values()):
         # Go's Query().Get takes the first value, a verifier in front of it could take another:
         # a repeated signed parameter is never accepted.

@@ -11,6 +11,8 @@ refused outright rather than guessed at.
 from __future__ import annotations
 
 import functools
+import re
+import urllib.parse
 from dataclasses import dataclass
 
 from relay.core.model import Reason, Reject
@@ -22,7 +24,7 @@ CONTROL_PATHS = frozenset(
     {"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw", "/upgrade"}
 )
 
-_HEX = frozenset(b"0123456789abcdefABCDEF")
+_BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
 
 
 @dataclass(slots=True)
@@ -34,30 +36,25 @@ class SplitTarget:
     clean_path: str  # decoded once, then cleaned like Go's path.Clean
 
 
-def percent_decode_path(raw: bytes) -> bytes | None:
-    """Decode ``%XX`` escapes once, as Go's ``url.PathUnescape`` does; None if malformed.
+def percent_decode(raw: bytes, *, plus_is_space: bool = False) -> bytes | None:
+    """Decode ``%XX`` escapes once, strictly, as Go's ``net/url`` does; None if malformed.
 
-    ``+`` stays ``+`` in a path (RFC 3986 §3.3); only the query treats it as a space.
+    ``plus_is_space`` is the query rule (``url.QueryUnescape``); in a path ``+`` stays ``+``
+    (``url.PathUnescape``, RFC 3986 §3.3). A malformed escape is checked by one regex and
+    the decoding left to ``urllib``, both in C for the common case.
     """
+    if plus_is_space:
+        raw = raw.replace(b"+", b" ")  # before decoding, so that %2B stays a plus
     if b"%" not in raw:
         return raw
-    out = bytearray()
-    i = 0
-    n = len(raw)
-    while i < n:
-        c = raw[i]
-        if c == 0x25:  # '%'
-            if i + 2 >= n:
-                return None
-            h1, h2 = raw[i + 1], raw[i + 2]
-            if h1 not in _HEX or h2 not in _HEX:
-                return None
-            out.append(int(raw[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            out.append(c)
-            i += 1
-    return bytes(out)
+    if _BAD_ESCAPE.search(raw) is not None:
+        return None
+    return urllib.parse.unquote_to_bytes(raw)
+
+
+def percent_decode_path(raw: bytes) -> bytes | None:
+    """Go's ``url.PathUnescape``."""
+    return percent_decode(raw)
 
 
 def clean_path(path: str) -> str:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from relay.core.auth import (
+    SIGNED_PARAMS,
     EnvdRequest,
     check_envd,
     check_traffic,
     file_signature,
     go_parse_query,
     go_query_unescape,
+    signed_params,
     strip_signature_params,
 )
 from relay.core.model import Reason, Route
@@ -261,3 +265,24 @@ def test_traffic_token() -> None:
     assert check_traffic([b"tt"], route) is None
     public = Route(sandbox_id="s", address="10.0.0.2", envd_token="t")
     assert check_traffic(None, public) is None
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                [b"path", b"pa%74h", b"username", b"signature", b"x", b"sig+nature", b"%zz"]
+            ),
+            st.binary(max_size=12),
+            st.sampled_from([b"=", b""]),
+        ),
+        max_size=6,
+    )
+)
+def test_signed_params_are_what_go_would_read(pairs: list[tuple[bytes, bytes, bytes]]) -> None:
+    raw = b"&".join(k + sep + v for k, v, sep in pairs)
+    expected: dict[bytes, list[bytes]] = {}
+    for key, value in go_parse_query(raw):
+        if key in SIGNED_PARAMS:
+            expected.setdefault(key, []).append(value)
+    assert signed_params(raw) == expected
