@@ -507,19 +507,23 @@ def git_commit(tree: Path) -> str:
 
 
 def update_readme(md: str, png: str | None) -> None:
-    if not README.exists():
-        return
-    text = README.read_text()
-    if LATEST_START not in text or LATEST_END not in text:
-        return
-    body = md + (f"\n\n![relay ratios]({png})" if png else "")
-    new = re.sub(
-        re.escape(LATEST_START) + ".*?" + re.escape(LATEST_END),
-        lambda _: f"{LATEST_START}\n{body}\n{LATEST_END}",
-        text,
-        flags=re.DOTALL,
-    )
-    README.write_text(new)
+    """The latest table and chart, in bench/README.md and in the project README's
+    performance section (paths there are relative to the repository root)."""
+    for readme, prefix in ((README, ""), (BENCH.parent / "README.md", "bench/")):
+        if not readme.exists():
+            continue
+        text = readme.read_text()
+        if LATEST_START not in text or LATEST_END not in text:
+            continue
+        table = md.replace("`results/", f"`{prefix}results/")
+        body = table + (f"\n\n![relay ratios]({prefix}{png})" if png else "")
+        new = re.sub(
+            re.escape(LATEST_START) + ".*?" + re.escape(LATEST_END),
+            lambda _, body=body: f"{LATEST_START}\n{body}\n{LATEST_END}",
+            text,
+            flags=re.DOTALL,
+        )
+        readme.write_text(new)
 
 
 def main(argv: list[str]) -> int:
