@@ -514,7 +514,7 @@ class Exchange:
                 return
             self._out.append(responses.upgrade_head(self._resp_reason, raw))
             return
-        plan = responses.plan_response_cached(
+        plan = responses.plan_response(
             status,
             self._resp_reason or reason_phrase(status),
             raw,

@@ -80,17 +80,22 @@ def end_to_end(headers: Headers) -> tuple[list[tuple[bytes, bytes]], dict[bytes,
     return out, seen
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_response(
     status: int,
     reason: bytes,
     headers: Headers,
-    *,
     method: bytes,
     client_version: str,
     keep_alive: bool,
     websocket: bool,
 ) -> ResponsePlan:
-    """The client-facing head and framing of a final (non-1xx, non-101) response."""
+    """The client-facing head and framing of a final (non-1xx, non-101) response.
+
+    Memoised (bounded): an upstream repeats the same heads (an app's static answers, envd's
+    stream heads), and planning one costs more than hashing it. The plan is shared, so
+    nothing may mutate it.
+    """
     out, seen = end_to_end(headers)
     length = seen.get(b"content-length")
     ends_at_head = method == b"HEAD"
@@ -123,30 +128,6 @@ def plan_response(
         keep_alive=keep_alive,
         connect_stream=connect_stream,
         ends_at_head=ends_at_head,
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_response_cached(
-    status: int,
-    reason: bytes,
-    headers: Headers,
-    method: bytes,
-    client_version: str,
-    keep_alive: bool,
-    websocket: bool,
-) -> ResponsePlan:
-    """:func:`plan_response`, memoised (bounded): an upstream repeats the same heads (an app's
-    static answers, envd's stream heads), and planning one costs more than hashing it. The
-    plan is shared, so nothing may mutate it."""
-    return plan_response(
-        status,
-        reason,
-        headers,
-        method=method,
-        client_version=client_version,
-        keep_alive=keep_alive,
-        websocket=websocket,
     )
 
 

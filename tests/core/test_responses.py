@@ -5,21 +5,18 @@ from __future__ import annotations
 import pytest
 
 from relay.core.model import Framing
-from relay.core.responses import interim_head, plan_response, upgrade_head
+from relay.core.responses import ResponsePlan, interim_head, plan_response, upgrade_head
 
 CL = (b"Content-Length", b"5")
 TE = (b"Transfer-Encoding", b"chunked")
 
 
-def plan(headers: tuple[tuple[bytes, bytes], ...], status: int = 200, **kw: object):  # type: ignore[no-untyped-def]
-    args: dict[str, object] = {
-        "method": b"GET",
-        "client_version": "1.1",
-        "keep_alive": True,
-        "websocket": False,
-    }
-    args.update(kw)
-    return plan_response(status, b"OK", headers, **args)  # type: ignore[arg-type]
+def plan(headers: tuple[tuple[bytes, bytes], ...], status: int = 200, **kw: object) -> ResponsePlan:
+    method = kw.get("method", b"GET")
+    version = kw.get("client_version", "1.1")
+    assert isinstance(method, bytes)
+    assert isinstance(version, str)
+    return plan_response(status, b"OK", headers, method, version, True, False)
 
 
 @pytest.mark.parametrize(
