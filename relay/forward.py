@@ -59,6 +59,7 @@ class State(enum.Enum):
 
 class Exchange:
     __slots__ = (
+        "_body_left",
         "_client_framing",
         "_dial_task",
         "_discarded",
@@ -111,6 +112,10 @@ class Exchange:
         self._resp_stalled = 0  # bytes fed since it last did
         self._resp_reason = b""
         self._interim = False
+        # Body bytes of a Content-Length response still to come. Once llhttp has framed the
+        # head, the rest of such a body is copied straight to the client (_pass_body), not
+        # through llhttp's on_body, which would copy every chunk once more.
+        self._body_left = -1
         # Response bytes produced while llhttp parses one upstream read, written to the client
         # in one writev when the read is done: a small response costs one syscall, not three.
         self._out: list[bytes] = []
@@ -364,6 +369,9 @@ class Exchange:
 
     # -- upstream side (Owner protocol) -----------------------------------------------------
     def upstream_data(self, data: bytes) -> None:
+        if self._body_left > 0 and self._resp_moved:
+            self._pass_body(data)
+            return
         parser = self.parser
         if parser is None:
             return
@@ -396,12 +404,32 @@ class Exchange:
             return
         if self._resp_moved:
             self._resp_stalled = 0
+            if self._body_left > 0:
+                return  # the body continues in the next reads, passed through by _pass_body
         else:
             # An unfinished head or trailer line is kept by httptools until it ends.
             self._resp_stalled += len(data)
         if self._resp_stalled > RESPONSE_HEAD_LIMIT or self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
             self.reason = "upstream: response head or trailers too large"
             self.cut(_malformed(self), upstream_failed=True)
+
+    def _pass_body(self, data: bytes) -> None:
+        """The rest of a Content-Length body: counted down, written as received (SPEC §4)."""
+        left = self._body_left
+        if len(data) < left:
+            self._body_left = left - len(data)
+            self.bytes_out += len(data)
+            self.client.write(data)
+            return
+        extra = len(data) > left
+        body = data[:left] if extra else data
+        self._body_left = 0
+        self.bytes_out += len(body)
+        self._out.append(body)
+        conn = self.upstream
+        self.on_message_complete()
+        if extra and conn is not None:
+            conn.close()  # bytes after the response: never written, never reused (see above)
 
     def upstream_eof(self) -> None:
         if self.state is not State.STREAMING:
@@ -525,6 +553,7 @@ class Exchange:
         )
         self._client_framing = plan.framing
         self.keep_alive = plan.keep_alive
+        self._body_left = plan.length
         if plan.connect_stream:
             self._tracker = EnvelopeTracker()
         self._out.append(plan.head)
@@ -546,6 +575,8 @@ class Exchange:
             if not body:
                 return
         self.bytes_out += len(body)
+        if self._body_left > 0:
+            self._body_left -= len(body)
         if self._client_framing is Framing.CHUNKED:
             self._out += (b"%x\r\n" % len(body), body, CRLF)
         else:

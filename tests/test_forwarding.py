@@ -6,6 +6,7 @@ Every test asserts on what reached the upstream as well as on what the client sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -397,3 +398,46 @@ async def test_a_stale_pooled_connection_is_retried_once_for_idempotent_requests
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_length_body_passed_through_in_pieces_stops_at_its_length(tmp_path: Path) -> None:
+    """After the head, a Content-Length body is copied straight to the client: pieces arrive
+    as sent, and bytes after the announced length (an injected second response) never do."""
+
+    handlers: list[asyncio.Task[object]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.append(task)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"2345")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"6789HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil")
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # until relay closes this connection (it must not reuse it)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("pieces", insecure=True)]) as relay:
+            conn = await Connection.open(relay.port)
+            await conn.send(request_bytes("GET", "/", app_host(port, "pieces")))
+            response = await conn.read_response()
+            assert response.body == b"0123456789"
+            assert [chunk for _, chunk in response.chunks] == [b"01", b"2345", b"6789"]
+            await conn.send(request_bytes("GET", "/again", app_host(port, "pieces")))
+            again = await conn.read_response()
+            await conn.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    assert again.body == b"0123456789"  # a new upstream connection, not the injected answer
+    assert len(handlers) == 2

@@ -31,6 +31,7 @@ class ResponsePlan:
     keep_alive: bool  # whether the client connection may carry another request
     connect_stream: bool  # a chunked Connect server stream: follow its envelopes
     ends_at_head: bool  # the response to HEAD: no body follows its head
+    length: int = -1  # the body's Content-Length when framing is LENGTH
 
 
 def status_line(status: int, reason: bytes) -> bytes:
@@ -128,6 +129,8 @@ def plan_response(
         keep_alive=keep_alive,
         connect_stream=connect_stream,
         ends_at_head=ends_at_head,
+        # llhttp admitted the value: digits only, one value (a list of equal values included).
+        length=int(length.split(b",")[0]) if framing is Framing.LENGTH and length else -1,
     )
 
 
