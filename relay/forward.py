@@ -202,7 +202,7 @@ class Exchange:
         self._reused = conn.uses > 1
         self.state = State.STREAMING
         self.parser = httptools.HttpResponseParser(self)
-        head = header_rules.serialise_request(decision.method, decision.path, decision.headers)
+        head = decision.wire
         if self._pending:
             parts = [head]
             for chunk in self._pending:

@@ -248,13 +248,15 @@ def _forward(
     rules: headers.OutboundRules,
     split: policy.SplitTarget,
 ) -> Forward:
+    outbound = headers.request_headers(head.headers, names, fields, rules)
     return Forward(
         kind=kind,
         target=found,
         route=route,
         method=head.method,
         path=path,
-        headers=headers.request_headers(head.headers, names, fields, rules),
+        headers=outbound,
+        wire=headers.serialise_request(head.method, path, outbound),
         framing=rules.framing,
         content_length=rules.content_length,
         websocket=rules.websocket,
