@@ -20,8 +20,6 @@ from typing import Any
 from relay import __version__, accesslog, routes_cli
 from relay.config import Config, ConfigError, load
 from relay.core.auth import file_signature
-from relay.core.routes import parse_routes
-from relay.feeds.file import FileError, read_routes_file
 
 log = logging.getLogger("relay")
 
@@ -174,11 +172,10 @@ def _sign_url(args: argparse.Namespace) -> int:
             return EXIT_CONFIG
         config = load(args.config)
         try:
-            items = read_routes_file(config.path(config.routes.file))
-        except FileError as exc:
+            routes, _ = routes_cli.load_table(config)  # the file or Redis, as configured
+        except routes_cli.SourceError as exc:
             print(f"relay: {exc}", file=sys.stderr)
             return 1
-        routes, _ = parse_routes(items, config.allowed_cidrs())
         route = routes.get(args.sandbox)
         if route is None or route.envd_token is None:
             print(f"relay: no secured route for sandbox {args.sandbox}", file=sys.stderr)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.config import Config, load
+from relay.core.model import Route
 from relay.core.routes import RouteError, parse_route, parse_routes, public_view
 from relay.core.target import valid_sandbox_id
 from relay.feeds.file import FileError, read_routes_file, write_routes_file
@@ -174,7 +175,8 @@ def _delete(config: Config, sandbox_id: str, maxlen: int) -> int:
     return EXIT_OK
 
 
-def _list(config: Config) -> int:
+def load_table(config: Config) -> tuple[dict[str, Route], list[RouteError]]:
+    """The configured source's routes, validated; raises :class:`SourceError`."""
     allowed = config.allowed_cidrs()
     if config.routes.source == "redis":
         from relay.core.feed import parse_snapshot  # noqa: PLC0415
@@ -192,6 +194,11 @@ def _list(config: Config) -> int:
         routes, errors = parse_routes(
             _file_items(config.path(config.routes.file), missing_ok=False), allowed
         )
+    return routes, errors
+
+
+def _list(config: Config) -> int:
+    routes, errors = load_table(config)
     for error in errors:
         print(f"relay: rejected route {error.sandbox_id or '?'}: {error.reason}", file=sys.stderr)
     views = [public_view(routes[sid]) for sid in sorted(routes)]

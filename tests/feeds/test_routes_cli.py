@@ -223,3 +223,20 @@ def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     assert main(["routes", "list", "--config", str(config)]) == 2
     assert "routes.redis_ca_file: needs a rediss:// URL" in capsys.readouterr().err
+
+
+def test_sign_url_takes_the_token_from_the_redis_source(
+    tmp_path: Path, redis_proc: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from relay.core.auth import file_signature
+
+    config = redis_config(tmp_path, redis_proc.url)
+    one = write_json(tmp_path / "one.json", route("signme"))
+    assert main(["routes", "put", str(one), "--config", str(config)]) == 0
+    capsys.readouterr()
+    args = ["sign-url", "--url", "http://x", "--path", "/a", "--sandbox", "signme"]
+    assert main([*args, "--config", str(config)]) == 0
+    url = capsys.readouterr().out.strip()
+    expected = file_signature("/a", "read", "", "tok-signme", None)
+    assert url.endswith("signature=" + expected.replace("+", "%2B").replace("/", "%2F"))
+    assert main([*args[:-1], "nobody", "--config", str(config)]) == 1
