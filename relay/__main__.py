@@ -94,9 +94,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvloop  # noqa: PLC0415
 
     from relay import workers  # noqa: PLC0415
-    from relay.runtime import StartupError, serve, tune_allocator  # noqa: PLC0415
+    from relay.runtime import StartupError, serve, tune_allocator, tune_gc  # noqa: PLC0415
 
     tune_allocator()
+    tune_gc()
 
     try:
         if workers.supervises(config):  # process.workers > 1 (relay.workers)

@@ -102,3 +102,15 @@ def test_allocator_is_tuned_on_glibc() -> None:
     from relay.runtime import tune_allocator
 
     assert tune_allocator() is True  # this machine runs glibc (Debian)
+
+
+def test_gc_is_kept_off_the_request_path() -> None:
+    # In a subprocess: the test process's own collector is pytest's business.
+    code = (
+        "import gc; from relay.runtime import tune_gc; tune_gc(); "
+        "print(gc.get_threshold()[0], gc.get_freeze_count() > 1000)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30
+    )
+    assert result.stdout.split() == ["10000", "True"]
