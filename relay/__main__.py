@@ -94,7 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvloop  # noqa: PLC0415
 
     from relay import workers  # noqa: PLC0415
-    from relay.runtime import StartupError, serve, tune_allocator, tune_gc  # noqa: PLC0415
+    from relay.runtime import serve  # noqa: PLC0415
+    from relay.startup import StartupError, tune_allocator, tune_gc  # noqa: PLC0415
 
     tune_allocator()
     tune_gc()

@@ -29,71 +29,13 @@ from relay.feeds import open_feed
 from relay.observe import Observer
 from relay.reload import reload_settings
 from relay.server import ClientConnection, Timers
+from relay.startup import check_parsers
 from relay.tls import ReloadableContext
 from relay.upstreams import Pool
 
 log = logging.getLogger("relay")
 
 SWEEP_INTERVAL_S = 0.25  # header timeouts, idle upstreams, and the access-log buffer
-
-
-class StartupError(RuntimeError):
-    """relay cannot run safely on this machine; the message says why."""
-
-
-def check_parsers() -> None:
-    """Refuse to start on a pure-Python HTTP parser (SPEC §5a; issue: request smuggling).
-
-    The data path parses with httptools (llhttp, C). The admin listener uses aiohttp, whose
-    pure-Python fallback parser (``AIOHTTP_NO_EXTENSIONS``, or a wheel without its C
-    extension) has had request-smuggling bugs; relay would rather not start than run on it.
-    """
-    import httptools.parser.parser as llhttp  # noqa: PLC0415
-    from aiohttp import http_parser  # noqa: PLC0415
-
-    if not llhttp.__file__ or not llhttp.__file__.endswith(".so"):
-        raise StartupError("httptools has no compiled llhttp parser")
-    try:
-        from aiohttp._http_parser import (  # type: ignore[import-not-found]  # noqa: PLC0415
-            HttpRequestParser as CParser,
-        )
-    except ImportError:
-        raise StartupError("aiohttp's C HTTP parser is unavailable") from None
-    if http_parser.HttpRequestParser is not CParser:
-        raise StartupError(
-            "aiohttp is using its pure-Python HTTP parser (AIOHTTP_NO_EXTENSIONS is set?)"
-        )
-
-
-# glibc mallopt() parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_allocator() -> bool:
-    """Stop glibc from trimming and re-growing the heap for every body chunk.
-
-    Each 256 KiB read from uvloop, and llhttp's copy of it for ``on_body``, is allocated and
-    freed at the top of the heap; with glibc's defaults (trim above 128 KiB, dynamic mmap
-    threshold) every chunk costs ``brk`` calls, page faults and zeroing. Raising both
-    thresholds made 64 MiB transfers 2-3x faster here (bench/README.md, "Bulk transfers").
-    Equivalent to ``MALLOC_TRIM_THRESHOLD_``/``MALLOC_MMAP_THRESHOLD_`` in the environment.
-    Returns False where there is no glibc (musl, other systems): nothing to tune.
-    """
-    import ctypes  # noqa: PLC0415
-    import ctypes.util  # noqa: PLC0415
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    trimmed: int = mallopt(_M_TRIM_THRESHOLD, 64 << 20)
-    mapped: int = mallopt(_M_MMAP_THRESHOLD, 4 << 20)
-    return trimmed == 1 and mapped == 1
 
 
 DECISION_MEMORY = 4096
@@ -107,23 +49,6 @@ def _rememberable(decision: Decision, head: RequestHead) -> bool:
     if isinstance(decision, Forward):
         return not (decision.route is not None and decision.route.max_connections)
     return decision.reason is not Reason.SANDBOX_LIMIT
-
-
-def tune_gc() -> None:
-    """Keep the cyclic garbage collector off the request path.
-
-    Per-request objects are freed by reference counting (relay breaks its one cycle, the
-    llhttp parser and its exchange, when an exchange ends), so what the collector finds is
-    almost only long-lived state: modules, configuration, routes. ``gc.freeze()`` moves what
-    exists at start into a generation it never scans, and a higher first threshold makes
-    collections rarer; each one then scans only recent survivors. A full collection over a
-    large route table would otherwise add milliseconds to whichever request it interrupts.
-    """
-    import gc  # noqa: PLC0415
-
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 50, 100)
 
 
 class Live(Protocol):

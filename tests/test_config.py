@@ -99,7 +99,7 @@ def test_refuses_to_start_on_the_pure_python_parser(tmp_path: Path) -> None:
 
 
 def test_allocator_is_tuned_on_glibc() -> None:
-    from relay.runtime import tune_allocator
+    from relay.startup import tune_allocator
 
     assert tune_allocator() is True  # this machine runs glibc (Debian)
 
@@ -107,7 +107,7 @@ def test_allocator_is_tuned_on_glibc() -> None:
 def test_gc_is_kept_off_the_request_path() -> None:
     # In a subprocess: the test process's own collector is pytest's business.
     code = (
-        "import gc; from relay.runtime import tune_gc; tune_gc(); "
+        "import gc; from relay.startup import tune_gc; tune_gc(); "
         "print(gc.get_threshold()[0], gc.get_freeze_count() > 1000)"
     )
     result = subprocess.run(
