@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from relay.core import failures, responses
 from relay.core import headers as header_rules
-from relay.core import responses
 from relay.core.answers import reason_phrase, render, serialise_response
 from relay.core.model import Forward, Framing, Kind, Reason, Reject, RequestHead
 from relay.core.streams import EnvelopeTracker, end_stream_frame
@@ -182,15 +182,7 @@ class Exchange:
         decision = self.decision
         assert isinstance(decision, Forward)
         self.client.resume(PAUSE_DIAL)
-        if decision.kind is Kind.MANAGEMENT:
-            reject = Reject(reason=Reason.MANAGEMENT_UNAVAILABLE)
-        else:
-            assert decision.target is not None
-            reject = Reject(
-                reason=Reason.PORT_CLOSED,
-                sandbox_id=decision.target.sandbox_id,
-                port=decision.target.port,
-            )
+        reject = failures.unreachable(decision)
         self.reason = f"dial: {exc}"
         self.answer(reject)
 
@@ -393,7 +385,7 @@ class Exchange:
                 self._extra = True  # garbage after the response
             else:
                 self.reason = f"upstream: {exc}"
-                self.cut(_malformed(self), upstream_failed=True)
+                self.cut(failures.malformed(self.decision), upstream_failed=True)
                 return
         if self._extra:
             # HTTP/1.1 has no unsolicited responses: whatever followed the response (garbage,
@@ -411,7 +403,7 @@ class Exchange:
             self._resp_stalled += len(data)
         if self._resp_stalled > RESPONSE_HEAD_LIMIT or self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
             self.reason = "upstream: response head or trailers too large"
-            self.cut(_malformed(self), upstream_failed=True)
+            self.cut(failures.malformed(self.decision), upstream_failed=True)
 
     def _pass_body(self, data: bytes) -> None:
         """The rest of a Content-Length body: counted down, written as received (SPEC §4)."""
@@ -440,7 +432,7 @@ class Exchange:
         if self._retry_on_a_fresh_connection():
             return
         self.reason = self.reason or "upstream_eof"
-        self.cut(_upstream_closed(self), upstream_failed=True)
+        self.cut(failures.closed_early(self.decision), upstream_failed=True)
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
@@ -448,7 +440,7 @@ class Exchange:
             if self._retry_on_a_fresh_connection():
                 return
             self.reason = self.reason or ("upstream_reset" if exc else "upstream_eof")
-            self.cut(_upstream_closed(self), upstream_failed=True)
+            self.cut(failures.closed_early(self.decision), upstream_failed=True)
 
     def _retry_on_a_fresh_connection(self) -> bool:
         """A pooled connection the upstream closed just as it was reused: send again, once.
@@ -509,7 +501,7 @@ class Exchange:
         if self._resp_head_bytes > RESPONSE_HEAD_LIMIT:
             self.reason = "upstream: response head too large"
             self._upstream_keepalive = False
-            self.cut(_malformed(self), upstream_failed=True)
+            self.cut(failures.malformed(self.decision), upstream_failed=True)
             return
         status = parser.get_status_code()
         if not 100 <= status <= 599:
@@ -517,7 +509,7 @@ class Exchange:
             # also read as "no response started" everywhere below.
             self.reason = f"upstream: invalid status {status}"
             self._upstream_keepalive = False
-            self.cut(_malformed(self), upstream_failed=True)
+            self.cut(failures.malformed(self.decision), upstream_failed=True)
             return
         raw = tuple(self._resp_headers)
         if 100 <= status < 200 and status != 101:
@@ -538,7 +530,7 @@ class Exchange:
                 self.reason = "upstream: unsolicited 101"
                 self._upstream_keepalive = False
                 self.status = 0
-                self.cut(_malformed(self), upstream_failed=True)
+                self.cut(failures.malformed(self.decision), upstream_failed=True)
                 return
             self._out.append(responses.upgrade_head(self._resp_reason, raw))
             return
@@ -613,7 +605,7 @@ class Exchange:
         conn = self.upstream
         if self.status != 101 or conn is None or not isinstance(decision, Forward):
             self.reason = "upstream: unexpected upgrade"
-            self.cut(_malformed(self), upstream_failed=True)
+            self.cut(failures.malformed(self.decision), upstream_failed=True)
             return
         self._flush()  # the 101 goes out before any spliced byte
         self.state = State.UPGRADED
@@ -631,13 +623,7 @@ class Exchange:
     def revoke(self) -> None:
         """The route of this exchange's sandbox was revoked (SPEC §3)."""
         self.reason = "revoked"
-        decision = self.decision
-        sandbox_id = (
-            decision.target.sandbox_id
-            if isinstance(decision, Forward) and decision.target
-            else None
-        )
-        self.cut(Reject(reason=Reason.NOT_FOUND, sandbox_id=sandbox_id), upstream_failed=False)
+        self.cut(failures.revoked(self.decision), upstream_failed=False)
 
     def cut(self, reject: Reject, *, upstream_failed: bool) -> None:
         """End the exchange now: an answer if nothing was written yet, else a clean or
@@ -689,29 +675,3 @@ class Exchange:
         relay.unregister(self)
         relay.observer.exchange_done(self)
         self.client.exchange_cut(self)
-
-
-def _sandbox_of(exchange: Exchange) -> str | None:
-    decision = exchange.decision
-    if isinstance(decision, Forward) and decision.target is not None:
-        return decision.target.sandbox_id
-    return None
-
-
-def _malformed(exchange: Exchange) -> Reject:
-    """The upstream's response cannot be relayed; answered after the route lookup, so the
-    answer names the sandbox (SPEC §5)."""
-    return Reject(reason=Reason.UPSTREAM_ERROR, sandbox_id=_sandbox_of(exchange))
-
-
-def _upstream_closed(exchange: Exchange) -> Reject:
-    decision = exchange.decision
-    if isinstance(decision, Forward) and decision.kind is Kind.MANAGEMENT:
-        return Reject(reason=Reason.MANAGEMENT_UNAVAILABLE)
-    return Reject(
-        reason=Reason.UPSTREAM_ERROR,
-        detail="The sandbox closed the connection before answering",
-        sandbox_id=decision.target.sandbox_id
-        if isinstance(decision, Forward) and decision.target
-        else None,
-    )
