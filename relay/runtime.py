@@ -28,8 +28,7 @@ from relay.core.routes import RouteError, RouteTable
 from relay.feeds import open_feed
 from relay.observe import Observer
 from relay.reload import reload_settings
-from relay.server import ClientConnection
-from relay.timers import Timers
+from relay.server import ClientConnection, Timers
 from relay.tls import ReloadableContext
 from relay.upstreams import Pool
 

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from relay.runtime import Relay
     from relay.websocket import Splice
 
-# Timers lived here before it got its own module (relay.timers); still importable from here.
+# Timers lived here before it got its own module (relay.timers); relay.runtime (and code on
+# other branches) still imports it from here.
 __all__ = ["ClientConnection", "Timers"]
 
 log = logging.getLogger("relay.server")
