@@ -47,7 +47,7 @@ RATE = 200
 OWNERS = [
     ("access log (logging, json, observe.py)", re.compile(r"logging/|json/|relay/observe\.py")),
     ("relay/core (decide, headers, answers)", re.compile(r"relay/core/")),
-    ("relay/forward.py", re.compile(r"relay/forward\.py")),
+    ("relay/forward.py, response.py", re.compile(r"relay/(forward|response)\.py")),
     ("relay/server.py", re.compile(r"relay/server\.py")),
     ("relay/upstreams.py", re.compile(r"relay/upstreams\.py")),
     ("relay/runtime.py", re.compile(r"relay/runtime\.py")),

@@ -108,7 +108,7 @@ class Observer:
             )
 
     def first_response_byte(self, exchange: Exchange) -> None:
-        """The upstream's final response head arrived (forward.py, on_headers_complete)."""
+        """The upstream's final response head arrived (``Exchange.response_head``)."""
         decision = exchange.decision
         if not isinstance(decision, Forward):
             return

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
@@ -29,10 +28,15 @@ from relay.core.answers import reason_phrase, render, serialise_response
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_QUEUE, PAUSE_UPGRADE
 from relay.forward import Exchange
+from relay.timers import Timers
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
     from relay.websocket import Splice
+
+# Timers lived here before it got its own module (relay.timers); relay.runtime (and code on
+# other branches) still imports it from here.
+__all__ = ["ClientConnection", "Timers"]
 
 log = logging.getLogger("relay.server")
 
@@ -409,62 +413,3 @@ class ClientConnection(asyncio.Protocol):
             return
         self.parser = None
         self._refusal = reject
-
-
-class Timers:
-    """Header and idle deadlines for every client connection, swept by one periodic task.
-
-    Deadlines are kept in insertion-ordered dicts; since every entry of a dict gets the same
-    timeout, the oldest entries expire first and a sweep stops at the first live one. One
-    task scanning a few expired entries costs less than a ``TimerHandle`` per connection.
-    """
-
-    def __init__(self, header_timeout_s: float, idle_timeout_s: float) -> None:
-        self.header_timeout_s = header_timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self._head: dict[ClientConnection, float] = {}
-        self._idle: dict[ClientConnection, float] = {}
-        self._closing: dict[ClientConnection, float] = {}
-
-    def expect_head(self, conn: ClientConnection) -> None:
-        self._idle.pop(conn, None)
-        self._head.pop(conn, None)
-        self._head[conn] = time.monotonic() + self.header_timeout_s
-
-    def head_done(self, conn: ClientConnection) -> None:
-        self._head.pop(conn, None)
-
-    def expect_idle(self, conn: ClientConnection) -> None:
-        self._idle.pop(conn, None)
-        self._idle[conn] = time.monotonic() + self.idle_timeout_s
-
-    def close_deadline(self, conn: ClientConnection) -> None:
-        """A closing connection whose peer does not read gets aborted after a grace period."""
-        self._head.pop(conn, None)
-        self._idle.pop(conn, None)
-        self._closing[conn] = time.monotonic() + 5.0
-
-    def forget(self, conn: ClientConnection) -> None:
-        self._head.pop(conn, None)
-        self._idle.pop(conn, None)
-        self._closing.pop(conn, None)
-
-    def sweep(self) -> None:
-        now = time.monotonic()
-        for conn in _expired(self._head, now):
-            conn.head_timed_out()
-        for conn in _expired(self._idle, now):
-            conn.close()
-        for conn in _expired(self._closing, now):
-            conn.abort()
-
-
-def _expired(deadlines: dict[ClientConnection, float], now: float) -> list[ClientConnection]:
-    out = []
-    for conn, deadline in deadlines.items():
-        if deadline > now:
-            break
-        out.append(conn)
-    for conn in out:
-        del deadlines[conn]
-    return out

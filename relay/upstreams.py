@@ -3,7 +3,7 @@
 relay does not use an HTTP client library upstream. A pooled raw connection, with the request
 head written once and the response framed by llhttp (``httptools``), costs a fraction of the
 CPU of ``aiohttp.ClientSession`` per request (see ``bench/README.md``); the exchange that owns a
-connection (``relay.forward``) does the HTTP work.
+connection (``relay.forward``, reading responses with ``relay.response``) does the HTTP work.
 
 Pools are keyed by (sandbox id, generation, address, port) as E2B's orchestrator proxy keys
 them by sandbox lifecycle id: a guest address reused by another sandbox, or by a new execution

@@ -1,0 +1,62 @@
+"""What relay answers when a forwarded request's upstream fails (SPEC §5).
+
+Each function maps one kind of failure, given the request's decision, to the :class:`Reject`
+relay answers with if the final response has not started yet (``relay.forward`` decides how
+a started response ends instead). These answers come after the route lookup, so they name the
+sandbox (``sandboxId``).
+
+| failure                                 | sandbox              | management upstream        |
+|-----------------------------------------|----------------------|----------------------------|
+| no connection (refused, timed out)      | 502 port_closed      | 502 management_unavailable |
+| closed before the response head         | 502 upstream_error   | 502 management_unavailable |
+| a response that cannot be relayed       | 502 upstream_error   | 502 upstream_error         |
+| the route was revoked (SPEC §3)         | 502 not_found        |                            |
+"""
+
+from __future__ import annotations
+
+from relay.core.model import Decision, Forward, Kind, Reason, Reject
+
+
+def sandbox_of(decision: Decision | None) -> str | None:
+    if isinstance(decision, Forward) and decision.target is not None:
+        return decision.target.sandbox_id
+    return None
+
+
+def unreachable(decision: Forward) -> Reject:
+    """The upstream could not be dialled (after the retries of ``relay.upstreams``)."""
+    if decision.kind is Kind.MANAGEMENT:
+        return Reject(reason=Reason.MANAGEMENT_UNAVAILABLE)
+    assert decision.target is not None
+    return Reject(
+        reason=Reason.PORT_CLOSED,
+        sandbox_id=decision.target.sandbox_id,
+        port=decision.target.port,
+    )
+
+
+def closed_early(decision: Decision | None) -> Reject:
+    """The upstream closed (or reset) the connection before its response head."""
+    if isinstance(decision, Forward) and decision.kind is Kind.MANAGEMENT:
+        return Reject(reason=Reason.MANAGEMENT_UNAVAILABLE)
+    return Reject(
+        reason=Reason.UPSTREAM_ERROR,
+        detail="The sandbox closed the connection before answering",
+        sandbox_id=decision.target.sandbox_id
+        if isinstance(decision, Forward) and decision.target
+        else None,
+    )
+
+
+def malformed(decision: Decision | None) -> Reject:
+    """The upstream's response cannot be relayed (bad status, head too large, bad framing)."""
+    return Reject(reason=Reason.UPSTREAM_ERROR, sandbox_id=sandbox_of(decision))
+
+
+def revoked(decision: Decision | None) -> Reject:
+    """The sandbox's route was revoked while the request was in flight (SPEC §3)."""
+    sandbox_id = (
+        decision.target.sandbox_id if isinstance(decision, Forward) and decision.target else None
+    )
+    return Reject(reason=Reason.NOT_FOUND, sandbox_id=sandbox_id)

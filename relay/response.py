@@ -1,0 +1,235 @@
+"""Reading an upstream's response: llhttp's callbacks turned into a few events.
+
+A :class:`ResponseReader` is the llhttp protocol for the response to one exchange. It owns
+what *parsing* the response needs: the head being read (its fields, reason and size), interim
+1xx responses, the count-down of a Content-Length body, the bytes an upstream sends after its
+response, and relay's limit on a head or trailer section that never ends. What the upstream
+sent is reported to the exchange (:class:`Events`), which decides what the client gets
+(``relay.core.responses`` plans the head) and when the exchange ends.
+
+Why an object of its own rather than more methods on the exchange: the exchange then reads as
+request in, response out, finish; the rules of reading an HTTP/1.1 response (RFC 9112 §6) and
+the quirks of llhttp live here. The price is one call per event (head, body, end) on the
+request path; ``bench/micro.py`` measures it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import httptools
+
+from relay.core import headers as header_rules
+
+if TYPE_CHECKING:
+    from relay.core.model import Headers
+    from relay.upstreams import UpstreamConnection
+
+# llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
+# guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.
+RESPONSE_HEAD_LIMIT = 64 * 1024
+
+
+class Events(Protocol):
+    """What a reader reports, from within llhttp's callbacks (``relay.forward.Exchange``)."""
+
+    # The exchange is done with the response (relayed it, or answered itself instead): what
+    # the upstream sends from here on comes after the response.
+    response_complete: bool
+    upstream: UpstreamConnection | None  # closed when the upstream sends bytes out of turn
+
+    def response_interim(self, status: int, reason: bytes, headers: Headers) -> None:
+        """A 1xx other than 101; the final response follows."""
+
+    def response_head(self, status: int, reason: bytes, headers: Headers, keep: bool) -> int:
+        """The final head (101 included); ``keep``: the upstream connection may be reused.
+
+        Returns the length of the body when the reader may count it down and pass it on
+        without llhttp (a Content-Length body relayed as is), else -1.
+        """
+        ...
+
+    def response_body(self, body: bytes) -> None:
+        """Body bytes, to be framed for the client."""
+
+    def response_passed(self, body: bytes) -> None:
+        """Content-Length body bytes that did not go through llhttp: write them now."""
+
+    def response_end(self) -> None:
+        """The final response is complete."""
+
+    def response_malformed(self, why: str) -> None:
+        """The response cannot be relayed; ``why`` is for the access log."""
+
+    def response_upgrade(self, tail: bytes) -> None:
+        """llhttp stopped at a 101; ``tail`` is what the upstream sent after its head."""
+
+    def internal_error(self, exc: BaseException) -> None:
+        """One of relay's own callbacks raised: a bug."""
+
+    def flush(self) -> None:
+        """An upstream read was parsed: write what it produced for the client."""
+
+
+class ResponseReader:
+    __slots__ = (
+        "_body_left",
+        "_extra",
+        "_head_bytes",
+        "_headers",
+        "_in_head",
+        "_moved",
+        "_owner",
+        "_reason",
+        "_stalled",
+        "interim",
+        "parser",
+    )
+
+    def __init__(self, owner: Events) -> None:
+        self._owner = owner
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0  # the current response head's size, then its trailers'
+        self._in_head = False  # fields now are head fields, not trailers
+        self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
+        self._stalled = 0  # bytes fed since it last did
+        self._reason = b""
+        self.interim = False  # a 1xx is being read; its end is not the response's end
+        self._extra = False  # the upstream sent bytes after its complete response
+        # Body bytes of a Content-Length response still to come. Once llhttp has framed the
+        # head, the rest of such a body is copied straight to the client (_pass_body), not
+        # through llhttp's on_body, which would copy every chunk once more.
+        self._body_left = -1
+
+    def restart(self) -> None:
+        """The request is sent again on a fresh connection: a fresh llhttp parser.
+
+        The rest of the reader's state carries over, as it did when the exchange itself was
+        llhttp's protocol: nothing of a response was accepted before a retry.
+        """
+        self.parser = httptools.HttpResponseParser(self)
+
+    def feed(self, data: bytes) -> None:
+        """One upstream read."""
+        if self._body_left > 0 and self._moved:
+            self._pass_body(data)
+            return
+        parser = self.parser
+        if parser is None:
+            return
+        owner = self._owner
+        conn = owner.upstream
+        self._moved = False
+        try:
+            parser.feed_data(data)
+            owner.flush()
+        except httptools.HttpParserUpgrade as upgrade:
+            owner.response_upgrade(data[upgrade.args[0] :])
+            return
+        except httptools.HttpParserCallbackError as exc:
+            owner.internal_error(exc.__context__ or exc)
+            return
+        except httptools.HttpParserError as exc:
+            if owner.response_complete:
+                self._extra = True  # garbage after the response
+            else:
+                owner.response_malformed(f"upstream: {exc}")
+                return
+        if self._extra:
+            # HTTP/1.1 has no unsolicited responses: whatever followed the response (garbage,
+            # or a whole second response meant for the next request) is dropped, and the
+            # connection, which was released when the response completed, is not reused.
+            if conn is not None:
+                conn.close()
+            return
+        if self._moved:
+            self._stalled = 0
+            if self._body_left > 0:
+                return  # the body continues in the next reads, passed through by _pass_body
+        else:
+            # An unfinished head or trailer line is kept by httptools until it ends.
+            self._stalled += len(data)
+        if self._stalled > RESPONSE_HEAD_LIMIT or self._head_bytes > RESPONSE_HEAD_LIMIT:
+            owner.response_malformed("upstream: response head or trailers too large")
+
+    def _pass_body(self, data: bytes) -> None:
+        """The rest of a Content-Length body: counted down, written as received (SPEC §4)."""
+        left = self._body_left
+        owner = self._owner
+        if len(data) < left:
+            self._body_left = left - len(data)
+            owner.response_passed(data)
+            return
+        extra = len(data) > left
+        self._body_left = 0
+        conn = owner.upstream
+        owner.response_body(data[:left] if extra else data)
+        self.on_message_complete()
+        if extra and conn is not None:
+            conn.close()  # bytes after the response: never written, never reused (see feed)
+
+    def body_until_close(self) -> bool:
+        """The final response has no length: its body ends when the upstream closes."""
+        idx = header_rules.index(tuple(self._headers))
+        return b"content-length" not in idx and b"transfer-encoding" not in idx
+
+    # -- llhttp callbacks ------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._owner.response_complete:
+            self._extra = True
+            return
+        self._headers = []
+        self._head_bytes = 0
+        self._in_head = True
+
+    def on_status(self, reason: bytes) -> None:
+        # Not called for an empty reason phrase: the previous response's reason then stays.
+        self._reason = reason
+        self._head_bytes += len(reason) + 15
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4  # trailers are counted too
+        if self._in_head:
+            self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        self._moved = True
+        self._in_head = False
+        owner = self._owner
+        if owner.response_complete or parser is None:
+            return  # a head after the complete response: never written to the client
+        if self._head_bytes > RESPONSE_HEAD_LIMIT:
+            owner.response_malformed("upstream: response head too large")
+            return
+        status = parser.get_status_code()
+        if not 100 <= status <= 599:
+            # RFC 9110 §15: a status is 100-599; llhttp takes any three digits. Status 0 would
+            # also read as "no response started" in the exchange.
+            owner.response_malformed(f"upstream: invalid status {status}")
+            return
+        headers = tuple(self._headers)
+        if 100 <= status < 200 and status != 101:
+            # An interim response (RFC 9110 §15.2): the final one follows on the same parser.
+            self.interim = True
+            owner.response_interim(status, self._reason, headers)
+            return
+        self.interim = False
+        keep = parser.should_keep_alive()
+        self._body_left = owner.response_head(status, self._reason, headers, keep)
+
+    def on_body(self, body: bytes) -> None:
+        self._moved = True
+        if self.interim:
+            return
+        if self._body_left > 0:
+            self._body_left -= len(body)
+        self._owner.response_body(body)
+
+    def on_message_complete(self) -> None:
+        self._moved = True
+        if self.interim:
+            self.interim = False
+            return
+        self._owner.response_end()
