@@ -59,7 +59,7 @@ def cut_remaining(relay: Relay) -> int:
             ended += 1
         elif exchange is not None:
             exchange.reason = "draining"
-            exchange.cut(Reject(reason=Reason.DRAINING, retry_after=1), upstream_failed=False)
+            exchange.cut(Reject(reason=Reason.DRAINING, retry_after=1))
             ended += 1
         conn.close()
     return ended

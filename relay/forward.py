@@ -79,6 +79,7 @@ class Exchange:
         "_client_framing",
         "_dial_task",
         "_discarded",
+        "_interim_sent",
         "_out",
         "_pending",
         "_retried",
@@ -122,6 +123,7 @@ class Exchange:
         self._upstream_keepalive = True
         self._reused = False
         self._retried = False
+        self._interim_sent = False  # a 1xx was written to the client
         self.request_complete = False
         self.response_complete = False
         self.status = 0
@@ -262,16 +264,18 @@ class Exchange:
                 return False
         return True  # chunked: dropped until the limit, then closed (see request_body)
 
+    def _drop_reader(self) -> ResponseReader | None:
+        """Break parser → reader → exchange, so all three are freed by reference counting."""
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            reader.parser = None
+        return reader
+
     def _finish(self) -> None:
         if self.state is DONE:
             return
         self.flush()  # before the next pipelined exchange writes anything
-        # llhttp's parser holds the reader as its protocol and the reader holds this exchange:
-        # drop both links now, so that all three are freed by reference counting rather than
-        # by the cyclic GC.
-        reader, self.reader = self.reader, None
-        if reader is not None:
-            reader.parser = None
+        reader = self._drop_reader()
         upgraded = self.state is UPGRADED
         self.state = DONE
         relay = self.client.relay
@@ -285,7 +289,10 @@ class Exchange:
                 and self.head.method != b"HEAD"
                 and not (isinstance(self.decision, Forward) and self.decision.websocket)
             )
-            if reusable:
+            if reusable and reader is not None and reader.feeding:
+                conn.owner = None
+                reader.release_after_feed(conn, relay.pool)  # see ResponseReader._release
+            elif reusable:
                 relay.pool.release(conn)
             else:
                 conn.owner = None
@@ -353,6 +360,7 @@ class Exchange:
             conn.owner = None
             conn.close()
         self.upstream = None
+        self._drop_reader()
         self.state = DONE
         self.client.relay.unregister(self)
         self.client.relay.observer.exchange_done(self)
@@ -386,7 +394,7 @@ class Exchange:
         if self._retry_on_a_fresh_connection():
             return
         self.reason = self.reason or "upstream_eof"
-        self.cut(failures.closed_early(self.decision), upstream_failed=True)
+        self.cut(failures.closed_early(self.decision))
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
@@ -394,7 +402,7 @@ class Exchange:
             if self._retry_on_a_fresh_connection():
                 return
             self.reason = self.reason or ("upstream_reset" if exc else "upstream_eof")
-            self.cut(failures.closed_early(self.decision), upstream_failed=True)
+            self.cut(failures.closed_early(self.decision))
 
     def _retry_on_a_fresh_connection(self) -> bool:
         """A pooled connection the upstream closed just as it was reused: send again, once.
@@ -408,7 +416,7 @@ class Exchange:
             self._retried
             or not self._reused
             or self.status
-            or (reader is not None and reader.interim)
+            or self._interim_sent  # a 1xx reached the client: it must not see it twice
             or not isinstance(decision, Forward)
             or decision.framing is not UNFRAMED
             or decision.method not in _IDEMPOTENT
@@ -438,6 +446,7 @@ class Exchange:
         # (RFC 9110 §15.2).
         if self.head.version == "1.1":
             self._out.append(responses.interim_head(status, reason, headers))
+            self._interim_sent = True
 
     def response_head(self, status: int, reason: bytes, headers: Headers, keep: bool) -> int:
         """The final head; returns the length of a body the reader may pass on unparsed."""
@@ -511,12 +520,12 @@ class Exchange:
     def response_malformed(self, why: str) -> None:
         """The upstream's response cannot be relayed: answered 502 if not started, else cut."""
         self.reason = why
-        self.cut(failures.malformed(self.decision), upstream_failed=True)
+        self.cut(failures.malformed(self.decision))
 
     def internal_error(self, exc: BaseException) -> None:
         log.error("internal error on an upstream connection", exc_info=exc)
         self.reason = "internal_error"
-        self.cut(Reject(reason=Reason.INTERNAL), upstream_failed=True)
+        self.cut(Reject(reason=Reason.INTERNAL))
 
     def response_upgrade(self, upstream_tail: bytes) -> None:
         decision = self.decision
@@ -527,9 +536,7 @@ class Exchange:
         self.flush()  # the 101 goes out before any spliced byte
         self.state = UPGRADED
         self.response_complete = True
-        reader, self.reader = self.reader, None
-        if reader is not None:
-            reader.parser = None  # as in _finish: no cycle outlives the exchange
+        self._drop_reader()  # as in _finish: no cycle outlives the exchange
         relay = self.client.relay
         relay.unregister(self)
         relay.observer.exchange_done(self)
@@ -542,9 +549,9 @@ class Exchange:
     def revoke(self) -> None:
         """The route of this exchange's sandbox was revoked (SPEC §3)."""
         self.reason = "revoked"
-        self.cut(failures.revoked(self.decision), upstream_failed=False)
+        self.cut(failures.revoked(self.decision))
 
-    def cut(self, reject: Reject, *, upstream_failed: bool) -> None:
+    def cut(self, reject: Reject) -> None:
         """End the exchange now: an answer if nothing was written yet, else a clean or
         visibly truncated end of the response."""
         if self.state in (DONE, ANSWERED, UPGRADED):
@@ -589,6 +596,7 @@ class Exchange:
         # No clean end is possible: close without the terminator so the client sees it.
         self.keep_alive = False
         self.response_complete = False
+        self._drop_reader()
         self.state = DONE
         relay = self.client.relay
         relay.unregister(self)

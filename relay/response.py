@@ -23,7 +23,7 @@ from relay.core import headers as header_rules
 
 if TYPE_CHECKING:
     from relay.core.model import Headers
-    from relay.upstreams import UpstreamConnection
+    from relay.upstreams import Pool, UpstreamConnection
 
 # llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
 # guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.
@@ -81,7 +81,9 @@ class ResponseReader:
         "_moved",
         "_owner",
         "_reason",
+        "_release",
         "_stalled",
+        "feeding",
         "interim",
         "parser",
     )
@@ -97,6 +99,11 @@ class ResponseReader:
         self._reason = b""
         self.interim = False  # a 1xx is being read; its end is not the response's end
         self._extra = False  # the upstream sent bytes after its complete response
+        self.feeding = False  # inside feed(): llhttp is parsing one upstream read
+        # A connection whose response ended inside the current read: released to its pool
+        # only once the whole read is parsed, so that bytes after the response (which make it
+        # unusable) are seen before a pipelined exchange could take it (release_after_feed).
+        self._release: tuple[UpstreamConnection, Pool] | None = None
         # Body bytes of a Content-Length response still to come. Once llhttp has framed the
         # head, the rest of such a body is copied straight to the client (_pass_body), not
         # through llhttp's on_body, which would copy every chunk once more.
@@ -110,8 +117,25 @@ class ResponseReader:
         """
         self.parser = httptools.HttpResponseParser(self)
 
+    def release_after_feed(self, conn: UpstreamConnection, pool: Pool) -> None:
+        self._release = (conn, pool)
+
     def feed(self, data: bytes) -> None:
         """One upstream read."""
+        self.feeding = True
+        try:
+            self._feed(data)
+        finally:
+            self.feeding = False
+            release, self._release = self._release, None
+            if release is not None:
+                conn, pool = release
+                if self._extra:
+                    conn.close()
+                else:
+                    pool.release(conn)
+
+    def _feed(self, data: bytes) -> None:
         if self._body_left > 0 and self._moved:
             self._pass_body(data)
             return
@@ -162,6 +186,7 @@ class ResponseReader:
             owner.response_passed(data)
             return
         extra = len(data) > left
+        self._extra = extra
         self._body_left = 0
         conn = owner.upstream
         owner.response_body(data[:left] if extra else data)
@@ -182,9 +207,9 @@ class ResponseReader:
         self._headers = []
         self._head_bytes = 0
         self._in_head = True
+        self._reason = b""  # llhttp does not call on_status for an empty reason phrase
 
     def on_status(self, reason: bytes) -> None:
-        # Not called for an empty reason phrase: the previous response's reason then stays.
         self._reason = reason
         self._head_bytes += len(reason) + 15
 

@@ -69,8 +69,8 @@ def tune_allocator() -> bool:
 def tune_gc() -> None:
     """Keep the cyclic garbage collector off the request path.
 
-    Per-request objects are freed by reference counting (relay breaks its one cycle, the
-    llhttp parser and its exchange, when an exchange ends), so what the collector finds is
+    Per-request objects are freed by reference counting (relay breaks its one cycle, llhttp's
+    parser → response reader → exchange, whenever an exchange ends), so what the collector finds is
     almost only long-lived state: modules, configuration, routes. ``gc.freeze()`` moves what
     exists at start into a generation it never scans, and a higher first threshold makes
     collections rarer; each one then scans only recent survivors. A full collection over a

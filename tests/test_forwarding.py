@@ -441,3 +441,86 @@ async def test_a_length_body_passed_through_in_pieces_stops_at_its_length(tmp_pa
         await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
     assert again.body == b"0123456789"  # a new upstream connection, not the injected answer
     assert len(handlers) == 2
+
+
+async def _scripted_upstream(
+    answers: list[bytes],
+) -> tuple[asyncio.Server, list[list[bytes]], list[asyncio.Task[object]]]:
+    """An upstream answering each request it reads with the next scripted bytes, recording
+    the request heads per connection."""
+    seen: list[list[bytes]] = []
+    handlers: list[asyncio.Task[object]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.append(task)
+        heads: list[bytes] = []
+        seen.append(heads)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while answers:
+                heads.append(await reader.readuntil(b"\r\n\r\n"))
+                writer.write(answers.pop(0))
+                await writer.drain()
+            await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, seen, handlers
+
+
+async def test_a_request_pipelined_behind_an_injected_response_gets_a_fresh_connection(
+    tmp_path: Path,
+) -> None:
+    server, seen, handlers = await _scripted_upstream(
+        [
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n"
+            b"Content-Length: 4\r\n\r\nevil",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond",
+        ]
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("pipe", insecure=True)]) as relay:
+            conn = await Connection.open(relay.port)
+            host = app_host(port, "pipe")
+            await conn.send(
+                request_bytes("GET", "/1", host) + request_bytes("POST", "/2", host, body=b"x")
+            )
+            first = await conn.read_response()
+            second = await conn.read_response()
+            await conn.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    assert (first.status, first.body) == (200, b"ok")
+    assert (second.status, second.body) == (200, b"second")
+    # The POST went out once, on a connection of its own, never on the one that misbehaved.
+    assert [len(heads) for heads in seen] == [1, 1]
+    assert seen[1][0].startswith(b"POST /2 ")
+
+
+async def test_an_empty_reason_after_an_interim_response_is_not_the_interim_one(
+    tmp_path: Path,
+) -> None:
+    server, _, handlers = await _scripted_upstream(
+        [
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+            b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\nok"
+        ]
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("hints", insecure=True)]) as relay:
+            conn = await Connection.open(relay.port)
+            await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
+            interim = await conn.read_response()
+            final = await conn.read_response()
+            await conn.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    assert (interim.status, interim.reason) == (103, b"Early Hints")
+    assert (final.status, final.reason, final.body) == (200, b"OK", b"ok")
