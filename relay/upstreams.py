@@ -145,7 +145,7 @@ class Pool:
         *,
         connect_timeout_s: float = 5.0,
         idle_timeout_s: float = 630.0,
-        max_idle_per_key: int = 64,
+        max_idle_per_key: int = 256,
         source_address: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         observer: DialObserver | None = None,

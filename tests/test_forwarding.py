@@ -524,3 +524,29 @@ async def test_an_empty_reason_after_an_interim_response_is_not_the_interim_one(
         await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
     assert (interim.status, interim.reason) == (103, b"Early Hints")
     assert (final.status, final.reason, final.body) == (200, b"OK", b"ok")
+
+
+async def test_idle_upstream_connections_are_capped_per_upstream(
+    tmp_path: Path, upstream: Upstream
+) -> None:
+    """Four concurrent requests open four upstream connections; two stay pooled, and the
+    next four requests reuse those two and dial two more."""
+    routes = [route("cap", insecure=True)]
+    overrides = {"upstream": {"max_idle_per_upstream": 2}}
+    async with running_relay(tmp_path, routes, overrides) as relay:
+        host = app_host(upstream.port, "cap")
+
+        async def burst() -> None:
+            answers = await asyncio.gather(
+                *(request(relay.port, "GET", "/stream?n=2&interval=0.1", host) for _ in range(4))
+            )
+            assert [a.status for a in answers] == [200] * 4
+
+        await burst()
+        assert relay.relay.pool.idle_count() == 2
+        first = {s.peer_port for s in upstream.seen}
+        assert len(first) == 4
+        await burst()
+        second = {s.peer_port for s in upstream.seen[4:]}
+        assert len(second & first) == 2  # the two pooled ones were reused
+        assert relay.relay.pool.idle_count() == 2
