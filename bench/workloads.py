@@ -102,10 +102,13 @@ def wrk(
     connections: int,
     duration_s: int,
     headers: str = "",
+    delay_ms: int = 0,
 ) -> dict[str, Any]:
     if WRK is None:
         return {"absent": "wrk is not installed"}
     env = dict(os.environ, WRK_HOST=host, WRK_PATH=path, WRK_HEADERS=headers)
+    if delay_ms:
+        env["WRK_DELAY_MS"] = str(delay_ms)
     argv = _load(
         [
             WRK,
@@ -141,7 +144,9 @@ def wrk(
     return meter.done(out, data["requests"])
 
 
-def small_get(column: Column, proxy: Proc | None, conns: int, seconds: int) -> dict[str, Any]:
+def small_get(
+    column: Column, proxy: Proc | None, conns: int, seconds: int, delay_ms: int = 0
+) -> dict[str, Any]:
     return wrk(
         column,
         proxy,
@@ -150,6 +155,7 @@ def small_get(column: Column, proxy: Proc | None, conns: int, seconds: int) -> d
         path="/small",
         connections=conns,
         duration_s=seconds,
+        delay_ms=delay_ms,
     )
 
 

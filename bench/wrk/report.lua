@@ -6,6 +6,18 @@
 local host = os.getenv("WRK_HOST") or "localhost"
 local path = os.getenv("WRK_PATH") or "/"
 local extra = os.getenv("WRK_HEADERS") or ""
+--   WRK_DELAY_MS (optional) mean pause on each connection before its next request: a paced
+--                load, so that latency is measured below saturation rather than as queueing.
+--                Each pause is drawn uniformly from 1 .. 2*WRK_DELAY_MS-1 ms: wrk fires its
+--                timers on whole milliseconds, so a fixed pause keeps every connection in step
+--                and turns the load into bursts of all 50 requests at once (measured: p50
+--                725 µs direct at 8k req/s, against 214 µs with random pauses).
+local delay_ms = tonumber(os.getenv("WRK_DELAY_MS") or "")
+if delay_ms then
+    function delay()
+        return math.random(1, 2 * delay_ms - 1)
+    end
+end
 
 local request_bytes = nil
 
