@@ -142,6 +142,9 @@ def ratio_pairs(columns: list[str]) -> list[tuple[str, str]]:
             if f"nginx-{workers}w" in columns:
                 pairs.append((relay, f"nginx-{workers}w"))
             pairs.append((relay, "direct"))
+        if workers == 1 and relay in columns and "floor-1w" in columns:
+            # relay ÷ a bare uvloop forwarder (bench/floor.py): relay's own share of the cost
+            pairs.append((relay, "floor-1w"))
     return pairs
 
 
@@ -318,7 +321,7 @@ def chart(results: Results, columns: list[str], path: Path, title: str) -> bool:
     fig_h = 0.32 * len(rows) * max(1, len(pairs)) / 1.6 + 1.8
     fig, ax = plt.subplots(figsize=(11, fig_h))
     height = 0.8 / max(1, len(pairs))
-    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    colours = ["tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red"]
     for i, (a, b) in enumerate(pairs):
         ys, xs = [], []
         for j, row in enumerate(rows):
@@ -327,7 +330,7 @@ def chart(results: Results, columns: list[str], path: Path, title: str) -> bool:
                 continue
             ys.append(j + (i - (len(pairs) - 1) / 2) * height)
             xs.append(r)
-        ax.barh(ys, xs, height=height, color=colours[i % 4], label=f"{a} ÷ {b}")
+        ax.barh(ys, xs, height=height, color=colours[i % len(colours)], label=f"{a} ÷ {b}")
         for y, x in zip(ys, xs, strict=True):
             ax.text(x * 1.03, y, f"{x:.2f}", va="center", fontsize=7)
     for j, row in enumerate(rows):  # say why a bar is missing

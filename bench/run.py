@@ -54,6 +54,10 @@ COLUMNS = [
     Column("relay-1w", "relay", 1),
     Column("nginx-2w", "nginx", 2),
     Column("relay-2w", "relay", 2),
+    # Not a proxy: bench/floor.py, a bare uvloop byte forwarder on relay's core, run on the
+    # workloads of the Python origin only. It shows how much of relay's latency is relay's own
+    # work and how much the price of CPython + uvloop on this machine.
+    Column("floor-1w", "floor"),
 ]
 
 
@@ -105,6 +109,7 @@ class Workload:
     step: Step
     reps: int
     key: str  # the rep kept: the best by this path ("-path": the lowest)
+    floor: bool = False  # the floor column (bench/floor.py) can run it: the Python origin's
 
 
 def best(reps: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -265,16 +270,29 @@ class Run:
                 max(1, reps - 1),
                 "mib_s",
             ),
-            Workload("upload", client("upload", "py", *transfer), max(1, reps - 1), "mib_s"),
+            Workload(
+                "upload", client("upload", "py", *transfer), max(1, reps - 1), "mib_s", floor=True
+            ),
             Workload(
                 "stream",
                 client("stream", "py", "--reps", str(d.stream_reps)),
                 reps,
                 "-latency_us.p99",
+                floor=True,
             ),
-            Workload("ws_c1", client("ws-echo", "py", *ws, "1"), max(1, reps - 1), "round_trips_s"),
             Workload(
-                "ws_c50", client("ws-echo", "py", *ws, "50"), max(1, reps - 1), "round_trips_s"
+                "ws_c1",
+                client("ws-echo", "py", *ws, "1"),
+                max(1, reps - 1),
+                "round_trips_s",
+                floor=True,
+            ),
+            Workload(
+                "ws_c50",
+                client("ws-echo", "py", *ws, "50"),
+                max(1, reps - 1),
+                "round_trips_s",
+                floor=True,
             ),
         ]
 
@@ -303,17 +321,19 @@ class Run:
                 proxies[column.label] = proxy
             live = [c for c in columns if c.label in proxies]
             for column in live:  # warm the pools and the allocator
-                workloads.small_get(column, proxies[column.label], 50, self.durations.warmup_s)
+                if column.kind != "floor":
+                    workloads.small_get(column, proxies[column.label], 50, self.durations.warmup_s)
             for workload in plan:
-                reps: dict[str, list[dict[str, Any]]] = {c.label: [] for c in live}
+                here = [c for c in live if c.kind != "floor" or workload.floor]
+                reps: dict[str, list[dict[str, Any]]] = {c.label: [] for c in here}
                 for _ in range(workload.reps):
-                    for column in live:
+                    for column in here:
                         proxy = proxies[column.label]
                         workloads.settle()
                         reps[column.label].append(workload.step(column, proxy))
                         if not self.alive(column, proxy, workload.name):
                             proxies[column.label] = self.start(column)
-                for column in live:
+                for column in here:
                     self.record(workload.name, column, best(reps[column.label], workload.key))
         finally:
             for proxy in proxies.values():
@@ -369,7 +389,7 @@ class Run:
                 variants = [
                     Column(c.name, c.kind, c.workers, access_log=False)
                     for c in present
-                    if c.workers == 1 and c.kind != "direct"
+                    if c.workers == 1 and c.kind in ("nginx", "relay")
                 ]
                 get = Workload(
                     "get_c50_nolog",

@@ -46,6 +46,7 @@ PROXY_PORTS = {
     ("relay", 2, True): 18094,
     ("nginx", 1, False): 18095,
     ("relay", 1, False): 18096,
+    ("floor", 1, True): 18098,  # bench.floor: a bare uvloop forwarder to the Python origin
 }
 COMPARE_PORT = 18097
 ADMIN_PORT_OFFSET = 100  # relay's admin listener: data port + 100
@@ -64,7 +65,7 @@ class Column:
     """One side-by-side column: direct, or a proxy with a worker count."""
 
     name: str
-    kind: str  # "direct" | "nginx" | "relay"
+    kind: str  # "direct" | "nginx" | "relay" | "floor"
     workers: int = 1
     access_log: bool = True
     src: str = ""  # relay only: another source tree (A/B runs of bench.profile --compare)
@@ -160,7 +161,26 @@ class Stack:
             return self._start_nginx(column)
         if column.kind == "relay":
             return self._start_relay(column)
+        if column.kind == "floor":
+            return self._start_floor(column)
         return None
+
+    def _start_floor(self, column: Column) -> Proc:
+        """bench.floor on the proxy core, forwarding every connection to the Python origin."""
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.floor",
+            "--listen",
+            f"127.0.0.1:{column.port}",
+            "--upstream",
+            f"127.0.0.1:{ORIGIN_PY_PORT}",
+        ]
+        err = self.run_dir / f"{column.label}.err"
+        proc = spawn(column.label, argv, PROXY_CPUS[column.workers], stderr=err, cwd=ROOT)
+        self.procs.append(proc)
+        wait_port("127.0.0.1", column.port, proc=proc)
+        return proc
 
     def _start_nginx(self, column: Column) -> Proc:
         assert self.nginx is not None
