@@ -185,6 +185,7 @@ async def latency(args: argparse.Namespace, directory: Path, redis_url: str) -> 
 
 async def memory(args: argparse.Namespace, directory: Path, redis_url: str) -> dict[str, Any]:
     n = args.routes
+    churn_rounds = args.churn_rounds
     writer = aioredis.Redis.from_url(redis_url, protocol=2)
     out: dict[str, Any] = {"routes": n}
     try:
@@ -218,9 +219,9 @@ async def memory(args: argparse.Namespace, directory: Path, redis_url: str) -> d
             one = Relay(directory, redis_url)
             out["rss_snapshot_n_kib"] = await settled_rss(one, n)
             out["start_to_ready_with_n_s"] = round(time.monotonic() - started - 1.0, 2)
-            # Churn: every route replaced (new tokens) twice, 500 routes per MULTI.
+            # Churn: every route replaced (new tokens) --churn-rounds times, 500 per MULTI.
             out["rss_after_churn_kib"] = []
-            for generation in (2, 3):
+            for generation in range(2, 2 + churn_rounds):
                 for base in range(0, n, 500):
                     ids = [f"m{i:08d}" for i in range(base, min(n, base + 500))]
                     pairs = [(sid, route(sid, int(sid[1:]) + generation)) for sid in ids]
@@ -252,6 +253,7 @@ async def main() -> None:
     parser.add_argument("--puts", type=int, default=300)
     parser.add_argument("--cli-puts", type=int, default=20)
     parser.add_argument("--routes", type=int, default=100_000)
+    parser.add_argument("--churn-rounds", type=int, default=2, help="full replacements")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="relay-route-feed-bench-") as tmp:
         directory = Path(tmp)
