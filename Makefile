@@ -43,7 +43,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check relay tests $(wildcard bench fuzz)
 
 typecheck: $(STAMP)
-	$(BIN)/mypy relay tests
+	$(BIN)/mypy relay tests bench
 
 # The route-feed tests start their own redis-server (loopback, free port, temp dir); install
 # it when missing (Debian/Ubuntu), with sudo unless root. Its packaged service is not used.

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -195,7 +196,7 @@ async def download(args: argparse.Namespace) -> dict[str, Any]:
         if time.monotonic() > deadline:
             break
         check = rep == 0  # the first transfer is checked (CRC) and untimed
-        _, conn = await loop.create_connection(lambda c=check: Downloader(c), host, port)
+        _, conn = await loop.create_connection(functools.partial(Downloader, check), host, port)
         assert conn.transport is not None
         start = time.perf_counter()
         conn.transport.write(head("GET", args.path, args.host))
@@ -382,7 +383,7 @@ class WsConn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         nodelay(transport)
-        self.transport.write(ws_handshake(self.host))
+        transport.write(ws_handshake(self.host))  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         if not self.upgraded.done():
@@ -467,7 +468,7 @@ class Holder(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.transport.write(self.request)
+        transport.write(self.request)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         if self.ready.done():

@@ -111,7 +111,7 @@ class Origin(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if self.transport is not None:
             self.transport.write(data)
 

@@ -154,8 +154,10 @@ def core_times() -> dict[int, tuple[int, int]]:
     return out
 
 
-def core_busy(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> dict:
-    busy = {}
+def core_busy(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]
+) -> dict[str, float]:
+    busy: dict[str, float] = {}
     for core, (b1, t1) in after.items():
         b0, t0 = before.get(core, (0, 0))
         busy[f"cpu{core}"] = round(100.0 * (b1 - b0) / max(1, t1 - t0), 1)

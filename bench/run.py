@@ -543,9 +543,13 @@ def update_readme(md: str, png: str | None) -> None:
             continue
         table = md.replace("`results/", f"`{prefix}results/")
         body = table + (f"\n\n![relay ratios]({prefix}{png})" if png else "")
+
+        def block(_: re.Match[str], body: str = body) -> str:
+            return f"{LATEST_START}\n{body}\n{LATEST_END}"  # a function: no escapes in body
+
         new = re.sub(
             re.escape(LATEST_START) + ".*?" + re.escape(LATEST_END),
-            lambda _, body=body: f"{LATEST_START}\n{body}\n{LATEST_END}",
+            block,
             text,
             flags=re.DOTALL,
         )
