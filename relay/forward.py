@@ -143,12 +143,17 @@ class Exchange:
             self._pending = []
             self.answer(decision)
             return
-        relay.register(self)
         key = self._pool_key(decision)
         conn = relay.pool.acquire(key)
         if conn is not None:
+            # The request head goes upstream first, the bookkeeping after it: the upstream
+            # starts on the request while relay registers the exchange. Nothing can run in
+            # between (no await), so revocation still finds it. On an idle core every line of
+            # Python before the write is latency (bench/README.md, "cold requests").
             self._attach(conn)
+            relay.register(self)
             return
+        relay.register(self)
         self.state = DIALING
         self.client.pause(PAUSE_DIAL)
         self._dial_task = relay.spawn(self._dial(key))
@@ -193,11 +198,6 @@ class Exchange:
         conn.owner = self
         self._reused = conn.uses > 1
         self.state = STREAMING
-        reader = self.reader
-        if reader is None:
-            self.reader = ResponseReader(self)
-        else:
-            reader.restart()  # sent again on a fresh connection (_retry_on_a_fresh_connection)
         head = decision.wire
         if self._pending:
             parts = [head]
@@ -212,6 +212,12 @@ class Exchange:
             conn.write(head)
         if self.request_complete and decision.framing is CHUNKED:
             conn.write(LAST_CHUNK)
+        # The reader after the write: the response cannot arrive before this callback returns.
+        reader = self.reader
+        if reader is None:
+            self.reader = ResponseReader(self)
+        else:
+            reader.restart()  # sent again on a fresh connection (_retry_on_a_fresh_connection)
         if self.client.write_paused:
             conn.pause_reading()
 
