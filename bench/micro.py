@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.micro [--requests 3000] [--rounds 15] [--relay-src DIR]
     .venv/bin/python -m bench.micro --compare DIR      # A/B: this tree vs DIR, interleaved
+    .venv/bin/python -m bench.micro --cold-ms 10 [--compare DIR]   # latency on an idle core
 
 Runs with relay's own venv (it imports relay). A real ``ClientConnection`` gets a request
 through ``data_received`` from a fake transport; the exchange finds a pooled
@@ -10,6 +11,15 @@ feeds the upstream's response into ``data_received`` and checks that the client 
 the response. Everything relay does per request runs — llhttp both ways, ``decide``, header
 rules, the pool, the access log (to /dev/null) — except the syscalls and the event loop's
 wake-ups, which ``make bench`` and ``bench.profile`` measure.
+
+``--cold-ms MS`` measures latency instead of CPU: before each small GET the child sleeps MS
+milliseconds, as a lightly loaded relay does between requests, and records how long after the
+start of the client's read callback the request head reaches the upstream transport, and how
+long after the upstream's read callback the response reaches the client transport (medians per
+round). On this VM an idle core makes every line of Python ~15-20x slower (caches and the core
+itself go cold): a head written 4.6 µs after the read when hot is written ~100 µs after it
+10 ms after the previous request, so at light load the order of relay's work, not its
+total, decides the latency (see bench/README.md, "Cold requests").
 
 Why: on this shared 2-core machine the loopback numbers swing by ±20% with the other
 tenants' load, which hides a 5% improvement. Even CPU time swings (caches, the host), so an
@@ -53,14 +63,17 @@ class FakeSocketTransport:
         self.peer = peer
         self.written: list[bytes] = []
         self.closing = False
+        self.written_at = 0  # perf_counter_ns() of the last write (--cold-ms)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self.peer if name == "peername" else default
 
     def write(self, data: bytes) -> None:
+        self.written_at = time.perf_counter_ns()
         self.written.append(bytes(data))
 
     def writelines(self, parts: list[bytes]) -> None:
+        self.written_at = time.perf_counter_ns()
         self.written.append(b"".join(parts))
 
     def is_closing(self) -> bool:
@@ -149,7 +162,35 @@ def drive(relay: Any, upstreams: Any, request: bytes, port: int, n: int) -> floa
     return elapsed / n
 
 
+def drive_cold(relay: Any, upstreams: Any, n: int, pause_s: float) -> list[float]:
+    """``n`` small GETs, each after ``pause_s`` idle; median µs from the start of each read
+    callback to the write it causes: [request head upstream, response to the client]."""
+    from relay.server import ClientConnection
+
+    client = ClientConnection(relay, tls=False)
+    client_transport = FakeSocketTransport(("127.0.0.1", 40001))
+    client.connection_made(client_transport)  # type: ignore[arg-type]
+    conn, upstream_transport = upstreams[18081]
+    to_upstream: list[float] = []
+    to_client: list[float] = []
+    for _ in range(n):
+        time.sleep(pause_s)
+        start = time.perf_counter_ns()
+        client.data_received(REQUEST)
+        middle = time.perf_counter_ns()
+        conn.data_received(RESPONSE)
+        if not upstream_transport.written or not client_transport.written:
+            raise RuntimeError("relay did not forward the request or the response")
+        to_upstream.append((upstream_transport.written_at - start) / 1000)
+        to_client.append((client_transport.written_at - middle) / 1000)
+        upstream_transport.written.clear()
+        client_transport.written.clear()
+    client.connection_lost(None)
+    return [statistics.median(to_upstream), statistics.median(to_client)]
+
+
 WORKLOADS = (("small GET", REQUEST, 18081), ("envd X-Access-Token", TOKEN_REQUEST, 49983))
+COLD_VALUES = ("request head upstream", "response to the client")
 
 
 def serve_rounds(args: argparse.Namespace) -> None:
@@ -168,6 +209,10 @@ def serve_rounds(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         n = int(line)
         gc.collect()
+        if args.cold_ms:
+            values = drive_cold(relay, upstreams, n, args.cold_ms / 1000)
+            print(" ".join(f"{v:.3f}" for v in values), file=answer, flush=True)
+            continue
         values = [drive(relay, upstreams, request, port, n) * 1e6 for _, request, port in WORKLOADS]
         print(" ".join(f"{v:.3f}" for v in values), file=answer, flush=True)
 
@@ -183,6 +228,8 @@ class Child:
         argv = ["taskset", "-c", str(cpu), sys.executable, "-m", "bench.micro", "--child"]
         if args.no_access_log:
             argv.append("--no-access-log")
+        if args.cold_ms:
+            argv += ["--cold-ms", str(args.cold_ms)]
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
@@ -217,6 +264,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-access-log", action="store_true")
     parser.add_argument("--relay-src", default="", help="measure this relay tree instead")
     parser.add_argument("--compare", default="", help="A/B: this tree vs DIR, interleaved")
+    parser.add_argument(
+        "--cold-ms", type=float, default=0.0, help="latency after MS idle (rounds of 100)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -225,6 +275,8 @@ def main(argv: list[str]) -> int:
     trees = [("this tree", str(Path(args.relay_src).resolve()) if args.relay_src else "")]
     if args.compare:
         trees.append(("compare", str(Path(args.compare).resolve())))
+    if args.cold_ms and args.requests == 3000:
+        args.requests = 100  # each request waits --cold-ms first
     children = {label: Child(args, src, args.cpu) for label, src in trees}
     runs: dict[str, list[list[float]]] = {label: [] for label in children}
     deadline = time.monotonic() + 120  # bounded whatever the machine does
@@ -237,6 +289,9 @@ def main(argv: list[str]) -> int:
     finally:
         for proc in children.values():
             proc.close()
+    if args.cold_ms:
+        report_cold(args, runs)
+        return 0
     best: dict[str, list[float]] = {}
     for label, items in runs.items():
         best[label] = [min(r[i] for r in items) for i in range(len(WORKLOADS))]
@@ -257,6 +312,28 @@ def main(argv: list[str]) -> int:
             ratio = best["compare"][i] / best["this tree"][i]
             print(f"  {name}: compare ÷ this tree = {ratio:.3f}")
     return 0
+
+
+def report_cold(args: argparse.Namespace, runs: dict[str, list[list[float]]]) -> None:
+    best = {label: [min(r[i] for r in items) for i in range(2)] for label, items in runs.items()}
+    for label, items in runs.items():
+        medians = [statistics.median(r[i] for r in items) for i in range(2)]
+        print(
+            f"{label:<10} "
+            + ", ".join(
+                f"{name}: {b:.1f} µs (median round {m:.1f})"
+                for name, b, m in zip(COLD_VALUES, best[label], medians, strict=True)
+            )
+        )
+    print(
+        f"(from the start of the read callback to the write, {args.cold_ms:g} ms idle before "
+        f"each request; best of {len(runs['this tree'])} interleaved rounds of "
+        f"{args.requests} on cpu {args.cpu})"
+    )
+    if args.compare:
+        for i, name in enumerate(COLD_VALUES):
+            ratio = best["compare"][i] / best["this tree"][i]
+            print(f"  {name}: compare ÷ this tree = {ratio:.3f}")
 
 
 if __name__ == "__main__":
