@@ -31,6 +31,7 @@ class Row:
     proxy_only: bool = False  # direct has no such number (proxy CPU, proxy RSS)
 
 
+P99 = "latency_us.p99"
 ROWS = [
     Row("small GET c10", "get_c10", "req_s", "high", "req/s"),
     Row("small GET c10 p99", "get_c10", "latency_us.p99", "low", "µs"),
@@ -41,14 +42,7 @@ ROWS = [
     Row("small GET c50 CPU/req", "get_c50", "proxy_cpu_us_per_req", "low", "µs", proxy_only=True),
     Row("small GET c50 paced", "get_c50_paced", "req_s", "high", "req/s"),
     Row("small GET c50 paced p99", "get_c50_paced", "latency_us.p99", "low", "µs"),
-    Row(
-        "small GET c50 paced p99 added",
-        "get_c50_paced",
-        "latency_us.p99",
-        "low",
-        "µs",
-        added=True,
-    ),
+    Row("small GET c50 paced p99 added", "get_c50_paced", P99, "low", "µs", added=True),
     Row("small GET c200", "get_c200", "req_s", "high", "req/s"),
     Row("small GET c200 p99", "get_c200", "latency_us.p99", "low", "µs"),
     Row("envd X-Access-Token c50", "auth_token", "req_s", "high", "req/s"),
@@ -214,24 +208,18 @@ def targets(results: Results, columns: list[str]) -> list[Target]:
                 "relay {left:.1f} µs vs nginx {right:.1f} µs",
             )
         )
-        out.append(
-            _check(
-                f"{tag} small GET c50 p99 added over direct ≤ 1 ms",
-                get("get_c50", relay, "latency_us.p99"),
-                get("get_c50", "direct", "latency_us.p99"),
-                lambda a, b: a - b <= 1000,
-                "relay p99 {left:,.0f} µs, direct p99 {right:,.0f} µs",
+        # The p99 target on two loads: closed loop (saturated: queueing) and paced (below
+        # saturation: what the proxy adds); see bench/README.md, "Targets".
+        for workload, load in (("get_c50", ""), ("get_c50_paced", " paced (below saturation)")):
+            out.append(
+                _check(
+                    f"{tag} small GET c50{load} p99 added over direct ≤ 1 ms",
+                    get(workload, relay, "latency_us.p99"),
+                    get(workload, "direct", "latency_us.p99"),
+                    lambda a, b: a - b <= 1000,
+                    "relay p99 {left:,.0f} µs, direct p99 {right:,.0f} µs",
+                )
             )
-        )
-        out.append(
-            _check(
-                f"{tag} small GET c50 paced (below saturation) p99 added over direct ≤ 1 ms",
-                get("get_c50_paced", relay, "latency_us.p99"),
-                get("get_c50_paced", "direct", "latency_us.p99"),
-                lambda a, b: a - b <= 1000,
-                "relay p99 {left:,.0f} µs, direct p99 {right:,.0f} µs",
-            )
-        )
         for workload, label in (("download", "download"), ("upload", "upload")):
             out.append(
                 _check(

@@ -280,19 +280,15 @@ class Run:
                 "-latency_us.p99",
                 floor=True,
             ),
-            Workload(
-                "ws_c1",
-                client("ws-echo", "py", *ws, "1"),
-                max(1, reps - 1),
-                "round_trips_s",
-                floor=True,
-            ),
-            Workload(
-                "ws_c50",
-                client("ws-echo", "py", *ws, "50"),
-                max(1, reps - 1),
-                "round_trips_s",
-                floor=True,
+            *(
+                Workload(
+                    f"ws_c{conns}",
+                    client("ws-echo", "py", *ws, str(conns)),
+                    max(1, reps - 1),
+                    "round_trips_s",
+                    floor=True,
+                )
+                for conns in (1, 50)
             ),
         ]
 
