@@ -38,6 +38,7 @@ from bench.stack import (
     ROOT,
     Column,
     Stack,
+    busy_ports,
     signed_files_path,
 )
 from bench.workloads import Durations
@@ -368,6 +369,10 @@ class Run:
             f"{cpus_text(ORIGIN_CPUS)}, 1-worker proxy on cpu {cpus_text(PROXY_CPUS[1])}, "
             f"2-worker proxy on cpus {cpus_text(PROXY_CPUS[2])}"
         )
+        busy = busy_ports()
+        if busy:
+            log(f"!! in use by another process (a leftover bench or relay?): {', '.join(busy)}")
+            return 2
         try:
             self.stack.start_origins()
             for proc in self.stack.procs:

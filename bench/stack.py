@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import zlib
@@ -90,6 +91,31 @@ class Column:
             "py": f"127.0.0.1:{ORIGIN_PY_PORT}",
             "envd": f"{ENVD_ADDRESS}:{ENVD_PORT}",
         }[service]
+
+
+def busy_ports() -> list[str]:
+    """Every address the bench listens on that something else already holds.
+
+    nginx listens with ``reuseport``: started beside a leftover process on the same port it
+    would share the port without an error, and the run would measure the leftover."""
+    wanted = [
+        ("127.0.0.1", ORIGIN_APP_PORT),
+        ("127.0.0.1", ORIGIN_PY_PORT),
+        (ENVD_ADDRESS, ENVD_PORT),
+    ]
+    for port in (*PROXY_PORTS.values(), COMPARE_PORT):
+        wanted += [("127.0.0.1", port), ("127.0.0.1", port + ADMIN_PORT_OFFSET)]
+    busy = []
+    for host, port in wanted:
+        with socket.socket() as probe:
+            # SO_REUSEADDR: connections of an earlier run in TIME_WAIT do not count as busy;
+            # a listener still does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                busy.append(f"{host}:{port}")
+    return busy
 
 
 def render(template: Path, values: dict[str, str]) -> str:
