@@ -26,13 +26,19 @@ run: $(STAMP)
 BENCH_VENV  := bench/.venv
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: bench
+.PHONY: bench bench-pyinstrument
 
 $(BENCH_STAMP): bench/requirements.txt
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
 	$(BENCH_VENV)/bin/pip install --quiet -r bench/requirements.txt
 	touch $(BENCH_STAMP)
+
+# make bench-pyinstrument - relay's hot path in-process under pyinstrument (bench/micro.py);
+#              installs pyinstrument into relay's venv (a profiling tool, not a dependency).
+bench-pyinstrument: $(STAMP)
+	$(BIN)/pip install --quiet pyinstrument==5.1.3
+	$(BIN)/python -m bench.micro --pyinstrument bench/results/micro-pyinstrument
 
 bench: $(STAMP) $(BENCH_STAMP)
 	bench/tools.sh

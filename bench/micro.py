@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.micro [--requests 3000] [--rounds 15] [--relay-src DIR]
     .venv/bin/python -m bench.micro --compare DIR      # A/B: this tree vs DIR, interleaved
     .venv/bin/python -m bench.micro --cold-ms 10 [--compare DIR]   # latency on an idle core
+    make bench-pyinstrument   # = --pyinstrument bench/results/micro-pyinstrument: call tree
 
 Runs with relay's own venv (it imports relay). A real ``ClientConnection`` gets a request
 through ``data_received`` from a fake transport; the exchange finds a pooled
@@ -11,6 +12,12 @@ feeds the upstream's response into ``data_received`` and checks that the client 
 the response. Everything relay does per request runs — llhttp both ways, ``decide``, header
 rules, the pool, the access log (to /dev/null) — except the syscalls and the event loop's
 wake-ups, which ``make bench`` and ``bench.profile`` measure.
+
+``--pyinstrument PREFIX`` profiles the same loop in this process with pyinstrument (a
+statistical profiler that keeps whole Python call stacks, where py-spy on the live relay
+mixes in the kernel and the event loop) and writes ``PREFIX.txt`` and ``PREFIX.html``.
+pyinstrument is not one of relay's dependencies: ``make bench-pyinstrument`` installs it into
+relay's venv first.
 
 ``--cold-ms MS`` measures latency instead of CPU: before each small GET the child sleeps MS
 milliseconds, as a lightly loaded relay does between requests, and records how long after the
@@ -264,6 +271,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-access-log", action="store_true")
     parser.add_argument("--relay-src", default="", help="measure this relay tree instead")
     parser.add_argument("--compare", default="", help="A/B: this tree vs DIR, interleaved")
+    parser.add_argument("--pyinstrument", default="", help="profile in-process: PREFIX.{txt,html}")
     parser.add_argument(
         "--cold-ms", type=float, default=0.0, help="latency after MS idle (rounds of 100)"
     )
@@ -272,6 +280,8 @@ def main(argv: list[str]) -> int:
     if args.child:
         serve_rounds(args)
         return 0
+    if args.pyinstrument:
+        return pyinstrument_profile(args)
     trees = [("this tree", str(Path(args.relay_src).resolve()) if args.relay_src else "")]
     if args.compare:
         trees.append(("compare", str(Path(args.compare).resolve())))
@@ -311,6 +321,34 @@ def main(argv: list[str]) -> int:
         for i, (name, _, _) in enumerate(WORKLOADS):
             ratio = best["compare"][i] / best["this tree"][i]
             print(f"  {name}: compare ÷ this tree = {ratio:.3f}")
+    return 0
+
+
+def pyinstrument_profile(args: argparse.Namespace) -> int:
+    """Profile small GETs in this process with pyinstrument; text and HTML reports."""
+    try:
+        from pyinstrument import Profiler
+    except ImportError:
+        print("pyinstrument is not installed: make bench-pyinstrument installs it", file=sys.stderr)
+        return 2
+    real_stdout = sys.stdout
+    relay, upstreams = build(not args.no_access_log)  # points sys.stdout at /dev/null
+    drive(relay, upstreams, REQUEST, 18081, 2000)  # warm-up
+    profiler = Profiler(interval=0.0001)
+    profiler.start()
+    per_request = drive(relay, upstreams, REQUEST, 18081, args.requests * 10)
+    profiler.stop()
+    prefix = Path(args.pyinstrument)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    text = profiler.output_text(unicode=True, color=False, show_all=False)
+    Path(f"{prefix}.txt").write_text(text)
+    Path(f"{prefix}.html").write_text(profiler.output_html())
+    print(text, file=real_stdout)
+    print(
+        f"{args.requests * 10} small GETs, {per_request * 1e6:.1f} µs each under the profiler; "
+        f"reports: {prefix}.txt, {prefix}.html",
+        file=real_stdout,
+    )
     return 0
 
 
