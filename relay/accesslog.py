@@ -17,23 +17,18 @@ import logging
 import select
 from typing import BinaryIO
 
+from relay.core.answers import log_members
+
 logger = logging.getLogger("relay.access")
 
 _escape = json.encoder.encode_basestring_ascii
+# The request's members (sandbox_id, port, method, path) come from relay.core.answers.
 _LINE = (
-    '{"time":%.3f,"client":%s,"sandbox_id":%s,"port":%s,"method":%s,"path":%s,'
+    '{"time":%.3f,"client":%s,%s,'
     '"status":%s,"bytes_in":%d,"bytes_out":%d,"duration_ms":%s,"reason":%s}\n'
 )
 FLUSH_AT = 64 * 1024
 PIPE_BUF = select.PIPE_BUF
-
-
-def _str(value: str | None) -> str:
-    return "null" if value is None else _escape(value)
-
-
-def _num(value: int | None) -> str:
-    return "null" if value is None else str(value)
 
 
 class AccessLog:
@@ -69,18 +64,38 @@ class AccessLog:
         duration_ms: float | None,
         reason: str | None,
     ) -> None:
+        self.write_line(
+            time,
+            client,
+            log_members(sandbox_id, port, method, path),
+            status,
+            bytes_in,
+            bytes_out,
+            duration_ms,
+            reason,
+        )
+
+    def write_line(
+        self,
+        time: float,
+        client: str,
+        members: str,
+        status: int | None,
+        bytes_in: int,
+        bytes_out: int,
+        duration_ms: float | None,
+        reason: str | None,
+    ) -> None:
+        """One line, the request's members already made (``Forward.log_fields``)."""
         line = _LINE % (
             time,
             _escape(client),
-            _str(sandbox_id),
-            _num(port),
-            _str(method),
-            _str(path),
-            _num(status),
+            members,
+            "null" if status is None else status,
             bytes_in,
             bytes_out,
             "null" if duration_ms is None else f"{duration_ms:.2f}",
-            _str(reason),
+            "null" if reason is None else _escape(reason),
         )
         if self._stream is None:
             logger.info(line[:-1])

@@ -21,6 +21,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from relay.accesslog import ACCESS_LOG
+from relay.core.answers import log_members
 from relay.core.model import Forward, Reason, Reject
 from relay.core.routes import RouteError
 
@@ -136,24 +137,25 @@ class Observer:
         self.bytes_out += exchange.bytes_out
         if not ACCESS_LOG.enabled:
             return
-        target = decision.target if isinstance(decision, Forward) else None
-        sandbox_id = target.sandbox_id if target else None
-        if isinstance(decision, Reject):
-            sandbox_id = decision.sandbox_id
-        head = exchange.head
-        path = decision.log_path if isinstance(decision, Forward) else _path_only(head.target)
-        ACCESS_LOG.write(
-            time=time.time(),
-            client=exchange.client.peer,
-            sandbox_id=sandbox_id,
-            port=target.port if target else None,
-            method=head.method.decode("latin-1"),
-            path=path,
-            status=status,
-            bytes_in=exchange.bytes_in,
-            bytes_out=exchange.bytes_out,
-            duration_ms=(time.monotonic() - exchange.started_at) * 1000,
-            reason=exchange.reason or None,
+        if isinstance(decision, Forward):
+            members = decision.log_fields  # made once with the (often remembered) decision
+        else:
+            head = exchange.head
+            members = log_members(
+                decision.sandbox_id if isinstance(decision, Reject) else None,
+                None,
+                head.method.decode("latin-1"),
+                _path_only(head.target),
+            )
+        ACCESS_LOG.write_line(
+            time.time(),
+            exchange.client.peer,
+            members,
+            status,
+            exchange.bytes_in,
+            exchange.bytes_out,
+            (time.monotonic() - exchange.started_at) * 1000,
+            exchange.reason or None,
         )
 
     def splice_done(self, splice: Splice) -> None:

@@ -109,3 +109,20 @@ def serialise_response(
 
 def reason_phrase(status: int) -> bytes:
     return _phrase(status).encode()
+
+
+_escape = json.encoder.encode_basestring_ascii
+
+
+def log_members(
+    sandbox_id: str | None, port: int | None, method: str | None, path: str | None
+) -> str:
+    """The request's members of an access-log line (SPEC §7), escaped for JSON.
+
+    Made once per decision (``Forward.log_fields``): a remembered decision then costs an
+    access-log line only the members that change per request (time, status, sizes)."""
+    sandbox = "null" if sandbox_id is None else _escape(sandbox_id)
+    number = "null" if port is None else str(port)
+    verb = "null" if method is None else _escape(method)
+    where = "null" if path is None else _escape(path)
+    return f'"sandbox_id":{sandbox},"port":{number},"method":{verb},"path":{where}'

@@ -18,7 +18,7 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from relay.core import auth, headers, policy, target
+from relay.core import answers, auth, headers, policy, target
 from relay.core.model import (
     Decision,
     Forward,
@@ -249,6 +249,8 @@ def _forward(
     split: policy.SplitTarget,
 ) -> Forward:
     outbound = headers.request_headers(head.headers, names, fields, rules)
+    sandbox_id, port = (found.sandbox_id, found.port) if found is not None else (None, None)
+    method = head.method.decode("latin-1")
     return Forward(
         kind=kind,
         target=found,
@@ -261,4 +263,5 @@ def _forward(
         content_length=rules.content_length,
         websocket=rules.websocket,
         log_path=split.clean_path,
+        log_fields=answers.log_members(sandbox_id, port, method, split.clean_path),
     )

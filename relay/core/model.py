@@ -205,6 +205,8 @@ class Forward:
     websocket: bool = False
     # The cleaned path, for logs (never includes the query).
     log_path: str = ""
+    # The request's members of its access-log line (``answers.log_members``), made once.
+    log_fields: str = ""
     # The request head exactly as written upstream (method, path, headers above): made once
     # with the decision, so a remembered decision also remembers its serialisation.
     wire: bytes

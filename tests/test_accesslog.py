@@ -1,0 +1,103 @@
+"""Access-log lines (SPEC §7): valid JSON with every field, whichever way they are made.
+
+A forwarded request's line takes its request members (sandbox, port, method, path) from the
+decision, made once (``Forward.log_fields``); refusals and WebSockets pass the same members as
+keywords. Both ways must give the same bytes, escaped for JSON whatever the path holds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from relay.accesslog import AccessLog
+from relay.core.answers import log_members
+from relay.core.decide import Settings, decide
+from relay.core.model import Forward, RequestHead, Route
+from relay.core.routes import RouteTable
+
+SETTINGS = Settings(domains=("e2b.test",), management=True)
+TABLE = RouteTable.of(
+    {"sbx1": Route(sandbox_id="sbx1", address="10.0.0.5", envd_token="envd-tok", generation=1)}
+)
+
+
+def _lines(log: AccessLog, stream: io.BytesIO) -> list[dict[str, object]]:
+    log.flush()
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "target",
+    [b"/files", b'/q"uote\t', b"/caf%C3%A9/\xff?signature=v1_secret&x=1", b"/%22quoted%22"],
+)
+def test_a_forwarded_line_is_json_and_matches_the_keyword_form(target: bytes) -> None:
+    head = RequestHead(
+        method=b"GET",
+        target=target,
+        version="1.1",
+        headers=((b"Host", b"49983-sbx1.e2b.test"), (b"X-Access-Token", b"envd-tok")),
+        peer="192.0.2.1",
+    )
+    decision = decide(head, TABLE, SETTINGS)
+    assert isinstance(decision, Forward)
+    stream = io.BytesIO()
+    log = AccessLog()
+    log.configure(stream)
+    log.write_line(1.5, "192.0.2.1", decision.log_fields, 200, 3, 4, 1.25, None)
+    log.write(
+        time=1.5,
+        client="192.0.2.1",
+        sandbox_id="sbx1",
+        port=49983,
+        method="GET",
+        path=decision.log_path,
+        status=200,
+        bytes_in=3,
+        bytes_out=4,
+        duration_ms=1.25,
+        reason=None,
+    )
+    log.flush()
+    first, second = stream.getvalue().splitlines(keepends=True)
+    assert first == second
+    line = json.loads(first)
+    assert line == {
+        "time": 1.5,
+        "client": "192.0.2.1",
+        "sandbox_id": "sbx1",
+        "port": 49983,
+        "method": "GET",
+        "path": decision.log_path,
+        "status": 200,
+        "bytes_in": 3,
+        "bytes_out": 4,
+        "duration_ms": 1.25,
+        "reason": None,
+    }
+    assert "?" not in line["path"]  # never the query: a signed URL's query holds a signature
+    assert b"secret" not in first
+
+
+def test_members_without_a_request() -> None:
+    stream = io.BytesIO()
+    log = AccessLog()
+    log.configure(stream)
+    log.write_line(2.0, "::1", log_members(None, None, None, None), None, 0, 0, None, "slow")
+    assert _lines(log, stream) == [
+        {
+            "time": 2.0,
+            "client": "::1",
+            "sandbox_id": None,
+            "port": None,
+            "method": None,
+            "path": None,
+            "status": None,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "duration_ms": None,
+            "reason": "slow",
+        }
+    ]
