@@ -10,6 +10,7 @@ import pytest
 
 from relay.__main__ import main, redacted
 from relay.config import ConfigError, load, parse
+from tests.support.harness import serve_until_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,14 +87,7 @@ def test_refuses_to_start_on_the_pure_python_parser(tmp_path: Path) -> None:
     config = tmp_path / "relay.toml"
     config.write_text('[listen]\naddress = "127.0.0.1:0"\n[admin]\naddress = "127.0.0.1:0"\n')
     env = {"AIOHTTP_NO_EXTENSIONS": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=20,
-        check=False,
-    )
+    result = serve_until_exit(config, timeout=20, env=env)
     assert result.returncode == 1
     assert "pure-Python HTTP parser" in result.stderr
 

@@ -24,7 +24,7 @@ import pytest
 from relay.config import ConfigError, Upstream, parse
 from relay.netlink import InterfaceAddress, pick_source, read_addresses, resolve_source
 from relay.runtime import Relay
-from tests.support.harness import DOMAIN, config_data, route, running_relay
+from tests.support.harness import DOMAIN, config_data, route, running_relay, serve_until_exit
 from tests.support.rawhttp import request
 
 V4, V6 = socket.AF_INET, socket.AF_INET6
@@ -102,13 +102,7 @@ def test_serve_exits_2_on_a_foreign_source_address(tmp_path: Path) -> None:
         "[admin]\naddress = '127.0.0.1:0'\n[listen]\naddress = '127.0.0.1:0'\n"
         "[upstream]\nsource_address = '192.0.2.250'\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = serve_until_exit(config)
     assert result.returncode == 2
     assert "relay: config error: upstream.source_address: 192.0.2.250 is not assigned" in (
         result.stderr

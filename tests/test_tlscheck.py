@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from relay.tlscheck import (
     uncovered_domains,
 )
 from tests.support.certs import Issued, issue
-from tests.support.harness import DOMAIN, config_data, to_toml, write_routes
+from tests.support.harness import DOMAIN, config_data, serve_until_exit, to_toml, write_routes
 
 NOW = datetime.datetime.now(datetime.UTC)
 
@@ -127,13 +125,7 @@ def test_serve_exits_2_naming_the_key(tmp_path: Path, pki: dict[str, Issued]) ->
     overrides = {"listen": {"tls_cert": str(bad.cert_file), "tls_key": str(bad.key_file)}}
     config = tmp_path / "relay.toml"
     config.write_text(to_toml(config_data(tmp_path, overrides)))
-    result = subprocess.run(
-        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = serve_until_exit(config)
     assert result.returncode == 2, result.stderr
     assert f"relay: config error: listen.tls_cert: subjectAltName does not cover *.{DOMAIN}" in (
         result.stderr

@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,7 +27,15 @@ from relay.workers import (
     supervises,
     worker_env,
 )
-from tests.support.harness import DOMAIN, RelayProcess, config_data, free_port, route, to_toml
+from tests.support.harness import (
+    DOMAIN,
+    RelayProcess,
+    config_data,
+    free_port,
+    route,
+    serve_until_exit,
+    to_toml,
+)
 from tests.support.ops import get, value
 from tests.support.rawhttp import request
 
@@ -208,13 +214,7 @@ def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path) -> None
         (tmp_path / "routes.json").write_text('{"routes": []}')
         config = tmp_path / "relay.toml"
         config.write_text(to_toml(data))
-        result = subprocess.run(
-            [sys.executable, "-m", "relay", "serve", "--config", str(config)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        result = serve_until_exit(config)
     finally:
         blocker.close()
     assert result.returncode == 1, result.stderr

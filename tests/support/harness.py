@@ -82,6 +82,20 @@ def config_data(
     return data
 
 
+def serve_until_exit(
+    config: Path, *, timeout: float = 30, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``relay serve --config`` run to its exit, for start-ups that must be refused."""
+    return subprocess.run(
+        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @dataclass
 class RelayUnderTest:
     relay: Relay
