@@ -177,7 +177,9 @@ class Pool:
         conn.owner = None
         if conn.closed:
             return
-        idle = self._idle.setdefault(conn.key, [])
+        idle = self._idle.get(conn.key)
+        if idle is None:  # not setdefault: that builds a list on every release
+            idle = self._idle[conn.key] = []
         if len(idle) >= self.max_idle_per_key:
             conn.close()
             return
