@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+from typing import cast
 
 import uvloop
 
@@ -36,8 +37,8 @@ class Side(asyncio.Protocol):
         self.early: list[bytes] = []  # client bytes that came before the upstream connected
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport) or hasattr(transport, "write")
-        self.transport = transport  # type: ignore[assignment]
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast("asyncio.Transport", transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
