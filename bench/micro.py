@@ -38,7 +38,9 @@ they change.
 from __future__ import annotations
 
 import argparse
+import base64
 import gc
+import hashlib
 import os
 import statistics
 import subprocess
@@ -47,6 +49,22 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
+
+ENVD_TOKEN = "bench-envd-token-0123456789abcdef"
+
+
+def _signed_files_request() -> bytes:
+    """``GET /files`` with a v1 signature made as the SDK makes it (no expiration)."""
+    digest = hashlib.sha256(f"/home/user/data.txt:read:user:{ENVD_TOKEN}".encode()).digest()
+    signature = "v1_" + base64.b64encode(digest).decode().rstrip("=")
+    target = f"/files?path={quote('/home/user/data.txt', safe='')}&username=user"
+    target += f"&signature={quote(signature, safe='')}"
+    return (
+        f"GET {target} HTTP/1.1\r\nHost: 49983-benchenvd.sandbox.localhost\r\n"
+        "User-Agent: wrk\r\nAccept: */*\r\n\r\n"
+    ).encode()
+
 
 REQUEST = (
     b"GET /small HTTP/1.1\r\nHost: 18081-bench.sandbox.localhost\r\n"
@@ -54,8 +72,9 @@ REQUEST = (
 )
 TOKEN_REQUEST = (
     b"GET /small HTTP/1.1\r\nHost: 49983-benchenvd.sandbox.localhost\r\n"
-    b"X-Access-Token: bench-envd-token-0123456789abcdef\r\n\r\n"
+    b"X-Access-Token: " + ENVD_TOKEN.encode() + b"\r\n\r\n"
 )
+SIGNED_REQUEST = _signed_files_request()
 RESPONSE = (
     b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 30 Nov 2026 01:00:00 GMT\r\n"
     b"Content-Type: text/plain\r\nContent-Length: 13\r\nConnection: keep-alive\r\n\r\n"
@@ -122,7 +141,7 @@ def build(access_log: bool) -> Any:
         base,
     )
     relay = Relay(config)
-    token = "bench-envd-token-0123456789abcdef"
+    token = ENVD_TOKEN
     routes, errors = parse_routes(
         [
             {"sandbox_id": "bench", "address": "127.0.0.1", "envd_token": token},
@@ -196,7 +215,11 @@ def drive_cold(relay: Any, upstreams: Any, n: int, pause_s: float) -> list[float
     return [statistics.median(to_upstream), statistics.median(to_client)]
 
 
-WORKLOADS = (("small GET", REQUEST, 18081), ("envd X-Access-Token", TOKEN_REQUEST, 49983))
+WORKLOADS = (
+    ("small GET", REQUEST, 18081),
+    ("envd X-Access-Token", TOKEN_REQUEST, 49983),
+    ("signed /files URL", SIGNED_REQUEST, 49983),
+)
 COLD_VALUES = ("request head upstream", "response to the client")
 
 

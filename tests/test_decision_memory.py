@@ -63,3 +63,50 @@ async def test_clock_and_count_dependent_decisions_are_not_remembered(
         assert refused.reason is Reason.SANDBOX_LIMIT
         relay.inflight.pop("lim")
         assert isinstance(relay.decide(limited), Forward)
+
+
+@pytest.mark.parametrize("exp_name", ["signature_expiration", "signature%5Fexpiration"])
+async def test_a_signed_url_is_remembered_until_its_expiration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exp_name: str
+) -> None:
+    # The SDK signs each download URL once and clients fetch it repeatedly: its decision is
+    # remembered (a full decide costs ~3x the rest of the request, bench/micro.py) until the
+    # second of its signature_expiration, however the parameter is spelled.
+    async with running_relay(tmp_path, [route("mem", envd_token="tok")]) as r:
+        relay = r.relay
+        now = 1_800_000_000
+        monkeypatch.setattr("relay.runtime.time.time", lambda: now + 0.5)
+        signature = urllib.parse.quote(file_signature("/a", "read", "", "tok", now + 10), safe="")
+        target = f"/files?path=%2Fa&signature={signature}&{exp_name}={now + 10}".encode()
+        signed = head(target, f"49983-mem.{DOMAIN}".encode())
+        first = relay.decide(signed)
+        assert isinstance(first, Forward)
+        assert first.expires == now + 10
+        assert b"signature" not in first.path  # stripped before it goes upstream
+        now += 10  # exp == now: still valid (envd's rule)
+        assert relay.decide(signed) is first
+        now += 1
+        expired = relay.decide(signed)
+        assert isinstance(expired, Reject)
+        assert expired.reason is Reason.ENVD_UNAUTHORIZED
+        assert isinstance(relay.decide(signed), Reject)  # and stays refused
+
+
+async def test_an_unexpiring_signature_is_remembered_until_the_table_changes(
+    tmp_path: Path,
+) -> None:
+    async with running_relay(tmp_path, [route("mem", envd_token="tok")]) as r:
+        relay = r.relay
+        signature = urllib.parse.quote(file_signature("/a", "read", "u", "tok", None), safe="")
+        signed = head(
+            f"/files?path=%2Fa&username=u&signature={signature}".encode(),
+            f"49983-mem.{DOMAIN}".encode(),
+        )
+        first = relay.decide(signed)
+        assert isinstance(first, Forward)
+        assert first.expires is None
+        assert relay.decide(signed) is first
+        r.set_routes([route("mem", envd_token="rotated")])  # the token changed: re-checked
+        refused = relay.decide(signed)
+        assert isinstance(refused, Reject)
+        assert refused.reason is Reason.ENVD_UNAUTHORIZED

@@ -124,37 +124,51 @@ class EnvdRequest:
 
 def check_envd(request: EnvdRequest, route: Route, now: int) -> Reject | None:
     """None when the request may reach envd (SPEC §2, envd port)."""
+    return envd_verdict(request, route, now)[0]
+
+
+def envd_verdict(request: EnvdRequest, route: Route, now: int) -> tuple[Reject | None, int | None]:
+    """``check_envd`` and, for a request it admits, until when it holds.
+
+    The second value is the signed URL's ``signature_expiration`` when the request was admitted
+    by such a signature: the last Unix second at which the same request is still admitted.
+    None when the answer does not depend on the clock (a token, an unexpiring signature, a
+    refusal other than an expired signature's). ``Relay.decide`` remembers a decision until then.
+    """
     if route.insecure or route.envd_token is None:
-        return None
+        return None, None
     if request.access_token is not None:
         # A present header must match and never falls back to a signature: envd does the
         # same (``validateSigning``: "access token present in header but does not match").
-        return None if tokens_equal(request.access_token, route.envd_token) else UNAUTHORIZED
+        ok = tokens_equal(request.access_token, route.envd_token)
+        return (None if ok else UNAUTHORIZED), None
     if request.method == b"GET" and request.clean_path == "/health":
-        return None
+        return None, None
     signed_route = request.clean_path == "/files" and request.method in (b"GET", b"POST")
     if signed_route and request.raw_query is not None:
         return check_signature(request, route.envd_token, now)
-    return UNAUTHORIZED
+    return UNAUTHORIZED, None
 
 
-def check_signature(request: EnvdRequest, token: str, now: int) -> Reject | None:
+def check_signature(request: EnvdRequest, token: str, now: int) -> tuple[Reject | None, int | None]:
+    """A v1 file-URL signature: (refusal or None, the expiration it was admitted until)."""
     params = signed_params(request.raw_query or b"")
     if any(len(values) > 1 for values in params.values()):
         # Go's Query().Get takes the first value, a verifier in front of it could take another:
         # a repeated signed parameter is never accepted.
-        return UNAUTHORIZED
+        return UNAUTHORIZED, None
     signature = params.get(b"signature")
     if signature is None:
-        return UNAUTHORIZED
+        return UNAUTHORIZED, None
     expiration: int | None = None
     if b"signature_expiration" in params:
         raw_exp = params[b"signature_expiration"][0]
         if _EXPIRATION.fullmatch(raw_exp) is None or int(raw_exp) > _INT64_MAX:
-            return Reject(
+            bad = Reject(
                 reason=Reason.BAD_EXPIRATION,
                 detail="Invalid format for parameter signature_expiration: expected an integer",
             )
+            return bad, None
         expiration = int(raw_exp)
     operation = "read" if request.method == b"GET" else "write"
     expected = file_signature(
@@ -165,11 +179,11 @@ def check_signature(request: EnvdRequest, token: str, now: int) -> Reject | None
         expiration,
     )
     if not hmac.compare_digest(signature[0], expected.encode()):
-        return UNAUTHORIZED
+        return UNAUTHORIZED, None
     # Checked after the signature, and ``exp == now`` is still valid (envd ``validateSigning``).
     if expiration is not None and expiration < now:
-        return UNAUTHORIZED
-    return None
+        return UNAUTHORIZED, None
+    return None, expiration
 
 
 def check_traffic(token_values: list[bytes] | None, route: Route) -> Reject | None:

@@ -193,9 +193,10 @@ def decide(
         return Reject(reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id)
     # -- credentials
     path = _outbound_path(split, settings.strip)
+    expires: int | None = None
     if is_envd:
         tokens = fields.get(headers.ACCESS_TOKEN)
-        refused = auth.check_envd(
+        refused, expires = auth.envd_verdict(
             auth.EnvdRequest(
                 method=head.method,
                 clean_path=split.clean_path,
@@ -221,7 +222,7 @@ def decide(
             limit=route.max_connections,
         )
     kind = Kind.ENVD if is_envd else Kind.APP
-    return _forward(head, kind, found, route, path, fields, names, rules, split)
+    return _forward(head, kind, found, route, path, fields, names, rules, split, expires)
 
 
 def _outbound_path(split: policy.SplitTarget, strip: bool) -> bytes:
@@ -247,6 +248,7 @@ def _forward(
     names: list[bytes],
     rules: headers.OutboundRules,
     split: policy.SplitTarget,
+    expires: int | None = None,
 ) -> Forward:
     outbound = headers.request_headers(head.headers, names, fields, rules)
     sandbox_id, port = (found.sandbox_id, found.port) if found is not None else (None, None)
@@ -264,4 +266,5 @@ def _forward(
         websocket=rules.websocket,
         log_path=split.clean_path,
         log_fields=answers.log_members(sandbox_id, port, method, split.clean_path),
+        expires=expires,
     )

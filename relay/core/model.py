@@ -210,6 +210,9 @@ class Forward:
     # The request head exactly as written upstream (method, path, headers above): made once
     # with the decision, so a remembered decision also remembers its serialisation.
     wire: bytes
+    # The last Unix second at which this decision holds: a signed URL's
+    # ``signature_expiration`` (``auth.envd_verdict``). None: it does not depend on the clock.
+    expires: int | None = None
 
 
 Decision = Forward | Reject
