@@ -26,7 +26,7 @@ from relay.core.model import Forward, Reason, Reject
 from relay.core.routes import RouteError
 
 if TYPE_CHECKING:
-    from relay.forward import Exchange
+    from relay.respond import Respond  # an Exchange, typed by the fields it is observed by
     from relay.websocket import Splice
 
 log = logging.getLogger("relay")
@@ -108,7 +108,7 @@ class Observer:
                 reason=reject.reason.label,
             )
 
-    def first_response_byte(self, exchange: Exchange) -> None:
+    def first_response_byte(self, exchange: Respond) -> None:
         """The upstream's final response head arrived (``Exchange.response_head``)."""
         decision = exchange.decision
         if not isinstance(decision, Forward):
@@ -128,7 +128,7 @@ class Observer:
     def routes_installed(self, source: str, count: int) -> None:
         self.feed_failing_since = None
 
-    def exchange_done(self, exchange: Exchange) -> None:
+    def exchange_done(self, exchange: Respond) -> None:
         decision = exchange.decision
         kind = decision.kind.value if isinstance(decision, Forward) else "refused"
         status = exchange.status

@@ -1,0 +1,345 @@
+"""The client's half of an exchange: what the client is sent, and how the exchange ends.
+
+:class:`Respond` holds the methods of :class:`relay.forward.Exchange` that write to the
+client: relay's own answer when it refuses a request; the upstream's response as the
+:class:`~relay.response.ResponseReader` reports it (the head planned by
+``relay.core.responses``, the body re-framed, what one upstream read produced coalesced into
+one write); and the end of the exchange: complete (``_finish``: the upstream connection back
+to its pool), or cut early, which gives a Connect stream a well-formed ``unavailable``
+end-of-stream envelope and leaves any other started body visibly truncated.
+``relay.forward`` keeps the other half: starting, dialling, and the request's bytes.
+
+Why a base class and not an object of its own: both halves read and write the same fields on
+every request; one object per request keeps the hot path to plain attribute reads. The
+annotations below are those shared fields; ``Exchange`` owns their slots and sets them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import TYPE_CHECKING
+
+from relay.core import failures, responses
+from relay.core import headers as header_rules
+from relay.core.answers import reason_phrase, render, serialise_response
+from relay.core.model import Forward, Framing, Headers, Reason, Reject, RequestHead
+from relay.core.streams import EnvelopeTracker, end_stream_frame
+from relay.flow import PAUSE_DIAL, PAUSE_UPSTREAM_FULL
+
+if TYPE_CHECKING:
+    from relay.flow import Client
+    from relay.response import ResponseReader
+    from relay.upstreams import UpstreamConnection
+
+log = logging.getLogger("relay.forward")  # the exchange's logger, whichever half logs
+
+CRLF = b"\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+# A refused request's body is read and dropped up to this size so that the connection can be
+# kept; past it the connection is closed after the answer.
+DISCARD_LIMIT = 1 << 20
+
+
+class State(enum.Enum):
+    NEW = "new"  # created, waiting behind a pipelined predecessor
+    DIALING = "dialing"  # forwarded, waiting for an upstream connection
+    STREAMING = "streaming"  # the upstream connection is attached
+    ANSWERED = "answered"  # relay answered itself; the request body is being discarded
+    UPGRADED = "upgraded"  # handed over to a WebSocket splice
+    DONE = "done"
+
+
+# Module names for the enum members an exchange tests about a dozen times per request (the
+# rest are in relay.forward, where they are used): in
+# Python 3.11 ``State.DONE`` is an attribute lookup through the Enum metaclass (~65 ns, where a
+# global costs ~5 ns); together about 1 of the 15 µs relay spends per small GET (bench/micro.py).
+STREAMING = State.STREAMING
+ANSWERED = State.ANSWERED
+UPGRADED = State.UPGRADED
+DONE = State.DONE
+CHUNKED = Framing.CHUNKED
+
+
+class Respond:
+    """The client-facing methods of an exchange (see the module docstring)."""
+
+    # The fields both halves use (Exchange sets them in __init__ and adds its own).
+    __slots__ = (
+        "_client_framing",
+        "_dial_task",
+        "_interim_sent",
+        "_out",
+        "_pending",
+        "_tracker",
+        "_upstream_keepalive",
+        "bytes_in",
+        "bytes_out",
+        "client",
+        "decision",
+        "head",
+        "keep_alive",
+        "reader",
+        "reason",
+        "request_complete",
+        "response_complete",
+        "started_at",
+        "state",
+        "status",
+        "upstream",
+    )
+
+    client: Client
+    head: RequestHead
+    decision: Forward | Reject | None
+    state: State
+    keep_alive: bool
+    request_complete: bool
+    response_complete: bool
+    status: int
+    reason: str
+    bytes_in: int
+    bytes_out: int
+    started_at: float  # time.monotonic() when the request head was read
+    upstream: UpstreamConnection | None
+    reader: ResponseReader | None
+    _out: list[bytes]  # response bytes of the current upstream read, written by flush()
+    _pending: list[bytes]  # request body read before the upstream was attached
+    _client_framing: Framing
+    _tracker: EnvelopeTracker | None  # set for a Connect stream (clean end when cut)
+    _interim_sent: bool
+    _upstream_keepalive: bool
+    _dial_task: asyncio.Task[None] | None
+
+    def flush(self) -> None:
+        """Write what the response produced so far (one upstream read) in one writev."""
+        out = self._out
+        if out:
+            self._out = []
+            self.client.writelines(out)
+
+    def answer(self, reject: Reject) -> None:
+        """Answer the client ourselves (before any response byte was written)."""
+        self.flush()  # an interim 100 Continue may be waiting
+        self.state = ANSWERED
+        self.client.relay.observer.refused(reject, self.client.peer)
+        answer = render(reject, self.head.headers)
+        self.status = answer.status
+        self.reason = self.reason or reject.reason.label
+        # Keep the connection only if the request body is (or will be) small enough to drop.
+        keep = (
+            self.keep_alive
+            and not reject.reason.closes
+            and not self.head.upgrade
+            and self._discard_ok()
+        )
+        self.keep_alive = keep
+        fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
+        if not keep:
+            fields = (*fields, (b"Connection", b"close"))
+        # A response to HEAD has no content (RFC 9110 §9.3.2): bytes after the head would be
+        # read as the start of the next response on a kept-alive connection.
+        body = b"" if self.head.method == b"HEAD" else answer.body
+        self.client.write(
+            serialise_response(answer.status, reason_phrase(answer.status), fields) + body
+        )
+        self.bytes_out += len(body)
+        self.response_complete = True
+        self._pending = []
+        if self.request_complete or not keep:
+            self._finish()
+
+    def _discard_ok(self) -> bool:
+        if self.request_complete:
+            return True
+        cl = header_rules.index(self.head.headers).get(b"content-length")
+        if cl is not None:
+            try:
+                return int(cl[0]) <= DISCARD_LIMIT
+            except ValueError:
+                return False
+        return True  # chunked: dropped until the limit, then closed (see request_body)
+
+    def _drop_reader(self) -> ResponseReader | None:
+        """Break parser → reader → exchange, so all three are freed by reference counting."""
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            reader.parser = None
+        return reader
+
+    def _finish(self) -> None:
+        if self.state is DONE:
+            return
+        self.flush()  # before the next pipelined exchange writes anything
+        reader = self._drop_reader()
+        upgraded = self.state is UPGRADED
+        self.state = DONE
+        relay = self.client.relay
+        relay.unregister(self)
+        conn, self.upstream = self.upstream, None
+        if conn is not None and not upgraded:
+            reusable = (
+                self._upstream_keepalive
+                and self.response_complete
+                and self.request_complete
+                and self.head.method != b"HEAD"
+                and not (isinstance(self.decision, Forward) and self.decision.websocket)
+            )
+            if reusable and reader is not None and reader.feeding:
+                conn.owner = None
+                reader.release_after_feed(conn, relay.pool)  # see ResponseReader._release
+            elif reusable:
+                relay.pool.release(conn)
+            else:
+                conn.owner = None
+                conn.close()
+        relay.observer.exchange_done(self)
+        if not upgraded:
+            keep = self.keep_alive and self.request_complete
+            self.client.exchange_finished(self, keep_alive=keep)
+
+    # -- the upstream's response (events from the ResponseReader) ---------------------------
+    def response_interim(self, status: int, reason: bytes, headers: Headers) -> None:
+        # Interim responses (100 Continue, 103 Early Hints) pass through to HTTP/1.1 clients
+        # (RFC 9110 §15.2).
+        if self.head.version == "1.1":
+            self._out.append(responses.interim_head(status, reason, headers))
+            self._interim_sent = True
+
+    def response_head(self, status: int, reason: bytes, headers: Headers, keep: bool) -> int:
+        """The final head; returns the length of a body the reader may pass on unparsed."""
+        self.status = status
+        self.client.relay.observer.first_response_byte(self)  # metrics: time to first byte
+        self._upstream_keepalive = keep
+        decision = self.decision
+        assert isinstance(decision, Forward)
+        if status == 101:
+            if not decision.websocket:
+                self.status = 0
+                self.response_malformed("upstream: unsolicited 101")
+                return -1
+            self._out.append(responses.upgrade_head(reason, headers))
+            return -1
+        plan = responses.plan_response(
+            status,
+            reason or reason_phrase(status),
+            headers,
+            self.head.method,
+            self.head.version,
+            self.keep_alive,
+            decision.websocket,
+        )
+        self._client_framing = plan.framing
+        self.keep_alive = plan.keep_alive
+        if plan.connect_stream:
+            self._tracker = EnvelopeTracker()
+        self._out.append(plan.head)
+        if plan.ends_at_head:
+            # llhttp cannot be told that a response answers HEAD, so it would wait for the
+            # announced body: the response ends here and the connection is not reused.
+            self.response_complete = True
+            self._upstream_keepalive = False
+            if self.request_complete:
+                self._finish()
+        return plan.length
+
+    def response_body(self, body: bytes) -> None:
+        if self.response_complete:
+            return
+        tracker = self._tracker
+        if tracker is not None:
+            body = tracker.feed(body)
+            if not body:
+                return
+        self.bytes_out += len(body)
+        if self._client_framing is CHUNKED:
+            self._out += (b"%x\r\n" % len(body), body, CRLF)
+        else:
+            self._out.append(body)
+
+    def response_passed(self, body: bytes) -> None:
+        self.bytes_out += len(body)
+        self.client.write(body)  # no flush follows a read the reader passed on unparsed
+
+    def response_end(self) -> None:
+        if self.response_complete or self.state is not STREAMING or self.status == 101:
+            return  # a 101 continues in response_upgrade(), once llhttp stops at the upgrade
+        self.response_complete = True
+        if self._client_framing is CHUNKED:
+            self._out.append(LAST_CHUNK)
+        if not self.request_complete:
+            # The upstream answered before the request body ended (e.g. 413): the rest of the
+            # body has nowhere to go, so neither connection can be kept.
+            self.keep_alive = False
+            self._upstream_keepalive = False
+            self.request_complete = True
+        self._finish()
+
+    def response_malformed(self, why: str) -> None:
+        """The upstream's response cannot be relayed: answered 502 if not started, else cut."""
+        self.reason = why
+        self.cut(failures.malformed(self.decision))
+
+    def internal_error(self, exc: BaseException) -> None:
+        log.error("internal error on an upstream connection", exc_info=exc)
+        self.reason = "internal_error"
+        self.cut(Reject(reason=Reason.INTERNAL))
+
+    # -- ending early ---------------------------------------------------------------------------
+    def revoke(self) -> None:
+        """The route of this exchange's sandbox was revoked (SPEC §3)."""
+        self.reason = "revoked"
+        self.cut(failures.revoked(self.decision))
+
+    def cut(self, reject: Reject) -> None:
+        """End the exchange now: an answer if nothing was written yet, else a clean or
+        visibly truncated end of the response."""
+        if self.state in (DONE, ANSWERED, UPGRADED):
+            return
+        self.flush()  # what llhttp already released goes out first
+        if self._dial_task is not None:
+            self._dial_task.cancel()
+            self._dial_task = None
+            self.client.resume(PAUSE_DIAL)
+        conn, self.upstream = self.upstream, None
+        self._upstream_keepalive = False
+        if conn is not None:
+            conn.owner = None
+            conn.close()
+        self.client.resume(PAUSE_UPSTREAM_FULL)
+        if not self.status:
+            self.answer(reject)
+            if self.head.upgrade or not self.request_complete:
+                self.client.close()
+            return
+        tracker = self._tracker
+        decision = self.decision
+        if (
+            tracker is not None
+            and tracker.at_boundary  # a held, unfinished envelope is dropped
+            and isinstance(decision, Forward)
+            and decision.target is not None
+        ):
+            if tracker.ended:
+                # The upstream's own end-of-stream envelope already went out: the Connect
+                # stream is complete, only the chunked terminator is missing.
+                self.client.write(LAST_CHUNK)
+            else:
+                frame = end_stream_frame(decision.target.sandbox_id)
+                self.client.writelines([b"%x\r\n" % len(frame), frame, CRLF, LAST_CHUNK])
+            self.response_complete = True
+            if not self.request_complete:
+                self.keep_alive = False
+            self.request_complete = True
+            self._finish()
+            return
+        # No clean end is possible: close without the terminator so the client sees it.
+        self.keep_alive = False
+        self.response_complete = False
+        self._drop_reader()
+        self.state = DONE
+        relay = self.client.relay
+        relay.unregister(self)
+        relay.observer.exchange_done(self)
+        self.client.exchange_cut(self)
