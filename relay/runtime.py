@@ -21,10 +21,11 @@ from aiohttp import web
 from relay import admin, netlink
 from relay.accesslog import ACCESS_LOG
 from relay.config import Config, networks, parse_http_url, split_address
-from relay.core.decide import FeedState, Settings, decide
+from relay.core.decide import FeedState, Settings
 from relay.core.feed import freshness
 from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route
 from relay.core.routes import RouteError, RouteTable
+from relay.decisions import DecisionMemory
 from relay.feeds import open_feed
 from relay.observe import Observer
 from relay.reload import reload_settings
@@ -36,20 +37,6 @@ from relay.upstreams import Pool
 log = logging.getLogger("relay")
 
 SWEEP_INTERVAL_S = 0.25  # header timeouts, idle upstreams, and the access-log buffer
-
-
-DECISION_MEMORY = 4096
-
-
-def _rememberable(decision: Decision, head: RequestHead) -> bool:
-    """Whether ``decision`` depends on the head, table, settings and feed state alone (and,
-    for a Forward with ``expires``, on the clock only through that second)."""
-    if isinstance(decision, Forward):
-        return not (decision.route is not None and decision.route.max_connections)
-    query = head.target.partition(b"?")[2]
-    if b"expiration" in query or b"%" in query:
-        return False  # an expired signature's refusal depends on the clock (in any spelling)
-    return decision.reason is not Reason.SANDBOX_LIMIT
 
 
 class Live(Protocol):
@@ -64,10 +51,7 @@ class Live(Protocol):
 class Relay:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._decisions: dict[tuple[object, ...], Decision] = {}
-        # Decisions that hold until a signed URL's expiration (Forward.expires): apart, so that
-        # a hit in the first memory never reads the clock.
-        self._expiring: dict[tuple[object, ...], Forward] = {}
+        self._decisions = DecisionMemory()
         self._settings = config.settings()
         self.allowed_cidrs = config.allowed_cidrs()
         self.allowed_clients = networks(config.listen.allowed_clients)
@@ -111,7 +95,7 @@ class Relay:
     @table.setter
     def table(self, table: RouteTable) -> None:
         self._table = table
-        self._forget()
+        self._decisions.forget()
 
     @property
     def feed_state(self) -> FeedState:
@@ -120,7 +104,7 @@ class Relay:
     @feed_state.setter
     def feed_state(self, state: FeedState) -> None:
         self._feed_state = state
-        self._forget()
+        self._decisions.forget()
 
     @property
     def settings(self) -> Settings:
@@ -129,60 +113,15 @@ class Relay:
     @settings.setter
     def settings(self, settings: Settings) -> None:
         self._settings = settings
-        self._forget()
+        self._decisions.forget()
 
     def decide(self, head: RequestHead) -> Decision:
-        """``relay.core.decide`` for this relay, remembering recent decisions.
-
-        ``decide`` is a pure function of the request head, the route table, the settings and
-        the feed state, plus the clock (signature expirations only) and the in-flight counts
-        (per-sandbox limits only). Clients repeat the same heads over and over (an SDK sends
-        the same Host, token and headers on every call), so decisions are remembered, keyed by
-        the whole head, until the table, the settings or the feed state change. A signed
-        URL's decision is remembered until its expiration (``Forward.expires``), apart, so
-        that the common hit never reads the clock; a refusal that may come from the clock
-        (an expired signature) and decisions that read the counts are never remembered.
-        Bounded: each memory is dropped whenever it holds 4,096 decisions.
-        """
+        """``relay.core.decide`` for this relay, remembered (``relay.decisions``)."""
         if self.draining:
             return Reject(reason=Reason.DRAINING, retry_after=1)
-        key = (
-            head.method,
-            head.target,
-            head.version,
-            head.headers,
-            head.peer,
-            head.tls,
-            head.upgrade,
+        return self._decisions.decide(
+            head, self._table, self._settings, self._feed_state, self.inflight
         )
-        decision = self._decisions.get(key)
-        if decision is not None:
-            return decision
-        now = int(time.time())
-        expiring = self._expiring.get(key)
-        if expiring is not None and expiring.expires is not None and now <= expiring.expires:
-            return expiring  # ``exp == now`` is still valid (auth.check_signature)
-        decision = decide(
-            head,
-            self._table,
-            self._settings,
-            feed=self._feed_state,
-            now=now,
-            inflight=self.inflight,
-        )
-        if _rememberable(decision, head):
-            memory: dict[tuple[object, ...], Any] = self._decisions
-            if isinstance(decision, Forward) and decision.expires is not None:
-                memory = self._expiring
-            if len(memory) >= DECISION_MEMORY:
-                memory.clear()
-            memory[key] = decision
-        return decision
-
-    def _forget(self) -> None:
-        """The table, the settings or the feed state changed: no remembered decision holds."""
-        self._decisions.clear()
-        self._expiring.clear()
 
     def admit(self, conn: ClientConnection) -> bool:
         """Admission of a new client connection; False when it was turned away."""

@@ -1,4 +1,4 @@
-"""Relay.decide remembers decisions only while they cannot change (relay/runtime.py)."""
+"""Relay.decide remembers decisions only while they cannot change (relay/decisions.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ async def test_clock_and_count_dependent_decisions_are_not_remembered(
     async with running_relay(tmp_path, routes) as r:
         relay = r.relay
         now = 1_800_000_000
-        monkeypatch.setattr("relay.runtime.time.time", lambda: float(now))
+        monkeypatch.setattr("relay.decisions.time.time", lambda: float(now))
         signature = file_signature("/a", "read", "", "tok", now + 10)
         target = (
             f"/files?path=%2Fa&signature={urllib.parse.quote(signature, safe='')}"
@@ -75,7 +75,7 @@ async def test_a_signed_url_is_remembered_until_its_expiration(
     async with running_relay(tmp_path, [route("mem", envd_token="tok")]) as r:
         relay = r.relay
         now = 1_800_000_000
-        monkeypatch.setattr("relay.runtime.time.time", lambda: now + 0.5)
+        monkeypatch.setattr("relay.decisions.time.time", lambda: now + 0.5)
         signature = urllib.parse.quote(file_signature("/a", "read", "", "tok", now + 10), safe="")
         target = f"/files?path=%2Fa&signature={signature}&{exp_name}={now + 10}".encode()
         signed = head(target, f"49983-mem.{DOMAIN}".encode())
@@ -110,3 +110,21 @@ async def test_an_unexpiring_signature_is_remembered_until_the_table_changes(
         refused = relay.decide(signed)
         assert isinstance(refused, Reject)
         assert refused.reason is Reason.ENVD_UNAUTHORIZED
+
+
+async def test_the_memory_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client sending ever-new heads (a new query each time) must not grow relay's memory.
+    monkeypatch.setattr("relay.decisions.DECISION_MEMORY", 8)
+    async with running_relay(tmp_path, [route("mem", insecure=True)]) as r:
+        relay = r.relay
+        host = f"8080-mem.{DOMAIN}".encode()
+        first = relay.decide(head(b"/?n=0", host))
+        assert relay.decide(head(b"/?n=0", host)) is first
+        for n in range(1, 8):
+            relay.decide(head(f"/?n={n}".encode(), host))
+        assert relay.decide(head(b"/?n=0", host)) is first  # 8 held
+        relay.decide(head(b"/?n=8", host))  # the ninth drops the memory
+        again = relay.decide(head(b"/?n=0", host))
+        assert isinstance(again, Forward)
+        assert again is not first
+        assert again == first  # decided afresh, to the same decision

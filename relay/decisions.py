@@ -1,0 +1,94 @@
+"""Remembered decisions: ``relay.core.decide`` once per distinct request head.
+
+``decide`` is a pure function of the request head, the route table, the settings and the feed
+state, plus the clock (signature expirations only) and the in-flight counts (per-sandbox
+limits only). Clients repeat the same heads over and over (an SDK sends the same Host, token
+and headers on every call; a browser fetches one signed download URL in ranges), so
+:class:`DecisionMemory` remembers decisions keyed by the whole head until the runtime says the
+table, the settings or the feed state changed (``forget``).
+
+What is never remembered: decisions that read the in-flight counts (a route with
+``max_connections``), and refusals that may come from the clock (an expired signature looks
+like any other 401). A signed URL's Forward is remembered until its ``signature_expiration``
+(``Forward.expires``), in a memory of its own so that the common hit never reads the clock.
+Bounded: each memory is dropped whenever it holds ``DECISION_MEMORY`` decisions, so a client
+sending ever-new heads costs relay a full ``decide`` per request and no memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TypeVar
+
+from relay.core.decide import FeedState, Settings, decide
+from relay.core.model import Decision, Forward, Reason, RequestHead
+from relay.core.routes import RouteTable
+
+DECISION_MEMORY = 4096
+
+Key = tuple[object, ...]
+D = TypeVar("D", bound=Decision)
+
+
+def rememberable(decision: Decision, head: RequestHead) -> bool:
+    """Whether ``decision`` depends on the head, table, settings and feed state alone (and,
+    for a Forward with ``expires``, on the clock only through that second)."""
+    if isinstance(decision, Forward):
+        return not (decision.route is not None and decision.route.max_connections)
+    query = head.target.partition(b"?")[2]
+    if b"expiration" in query or b"%" in query:
+        return False  # an expired signature's refusal depends on the clock (in any spelling)
+    return decision.reason is not Reason.SANDBOX_LIMIT
+
+
+class DecisionMemory:
+    __slots__ = ("_expiring", "_timeless")
+
+    def __init__(self) -> None:
+        self._timeless: dict[Key, Decision] = {}
+        self._expiring: dict[Key, Forward] = {}
+
+    def decide(
+        self,
+        head: RequestHead,
+        table: RouteTable,
+        settings: Settings,
+        feed: FeedState,
+        inflight: Mapping[str, int],
+    ) -> Decision:
+        """``relay.core.decide(head, ...)``, remembered when it may be."""
+        key = (
+            head.method,
+            head.target,
+            head.version,
+            head.headers,
+            head.peer,
+            head.tls,
+            head.upgrade,
+        )
+        decision = self._timeless.get(key)
+        if decision is not None:
+            return decision
+        now = int(time.time())
+        expiring = self._expiring.get(key)
+        if expiring is not None and expiring.expires is not None and now <= expiring.expires:
+            return expiring  # ``exp == now`` is still valid (auth.check_signature)
+        decision = decide(head, table, settings, feed=feed, now=now, inflight=inflight)
+        if rememberable(decision, head):
+            if isinstance(decision, Forward) and decision.expires is not None:
+                _remember(self._expiring, key, decision)
+            else:
+                _remember(self._timeless, key, decision)
+        return decision
+
+    def forget(self) -> None:
+        """The table, the settings or the feed state changed: no remembered decision holds."""
+        self._timeless.clear()
+        self._expiring.clear()
+
+
+def _remember(memory: dict[Key, D], key: Key, decision: D) -> None:
+    if len(memory) >= DECISION_MEMORY:
+        memory.clear()
+    memory[key] = decision
