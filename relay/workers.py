@@ -17,7 +17,7 @@ The supervisor owns what there must be one of:
 - **the admin port**: ``/readyz`` asks every worker's ``/readyz`` (over a Unix socket in the run
   directory) and is 200 only when all are; ``/routes`` is one worker's (all follow the same
   feed); ``/metrics`` merges the workers' snapshot files (``relay.metrics``) and adds the
-  supervisor's own ``process_*``/``python_*`` families.
+  supervisor's own ``process_*``/``python_*`` families (handlers in :mod:`relay.admin`).
 - **restarts**: a worker that exits while relay is not stopping is restarted after
   :func:`restart_delay` (exponential backoff, reset once a worker has run for
   :data:`STABLE_S`). A worker that dies before all workers were first ready stops the whole
@@ -37,19 +37,16 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from relay import metrics
+from relay import admin
 from relay.config import Config, ConfigError, split_address
-from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, admin_socket
+from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV
 from relay.preflight import host_checks
 from relay.systemd import Notifier
 
@@ -60,7 +57,6 @@ BACKOFF_MAX_S = 10.0
 STABLE_S = 30.0
 WORKER_WATCHDOG_S = 30.0  # a ready worker that has not pinged for this long is killed
 KILL_GRACE_S = 5.0  # after drain_timeout_s, before stragglers get SIGKILL
-ADMIN_QUERY_TIMEOUT_S = 1.0
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -356,11 +352,7 @@ class Supervisor:
     # -- admin ------------------------------------------------------------------------------
     async def _start_admin(self) -> None:
         app = web.Application()
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        app.router.add_get("/routes", self._routes)
-        registry = metrics.registry_for(MergedCollector(self))
-        app.router.add_get("/metrics", lambda _r: self._metrics(registry))
+        admin.add_supervisor_routes(app, self)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         parsed = split_address(self.config.admin.address)
@@ -373,78 +365,8 @@ class Supervisor:
             name = server.sockets[0].getsockname()  # type: ignore[attr-defined]
             self.admin_bound = (name[0], name[1])
 
-    async def _ask(self, worker: Worker, path: str) -> tuple[int, bytes] | None:
-        """GET ``path`` from a worker's admin socket; None when it does not answer."""
-        if worker.pid is None:
-            return None
-        connector = aiohttp.UnixConnector(path=str(admin_socket(self.run_dir, worker.index)))
-        timeout = aiohttp.ClientTimeout(total=ADMIN_QUERY_TIMEOUT_S)
-        try:
-            async with (
-                aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-                session.get(f"http://worker{path}") as response,
-            ):
-                return response.status, await response.read()
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return None
-
-    async def _healthz(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def _readyz(self, _request: web.Request) -> web.Response:
-        answers = await asyncio.gather(*(self._ask(w, "/readyz") for w in self.workers))
-        workers = [
-            {
-                "index": w.index,
-                "pid": w.pid,
-                "ready": answer is not None and answer[0] == 200,
-                "restarts": w.restarts,
-            }
-            for w, answer in zip(self.workers, answers, strict=True)
-        ]
-        # A worker waiting to be restarted holds no listening socket, so it takes no traffic:
-        # the relay is ready when every running worker is (and one at least runs).
-        running = [w for w in workers if w["pid"] is not None]
-        ready = not self.draining and bool(running) and all(w["ready"] for w in running)
-        body = {"ready": ready, "draining": self.draining, "workers": workers}
-        return web.json_response(body, status=200 if ready else 503)
-
-    async def _routes(self, _request: web.Request) -> web.Response:
-        for worker in self.workers:
-            answer = await self._ask(worker, "/routes")
-            if answer is not None and answer[0] == 200:
-                return web.Response(body=answer[1], content_type="application/json")
-        return web.json_response({"code": 503, "message": "no worker answered"}, status=503)
-
-    async def _metrics(self, registry: Any) -> web.Response:
-        body = metrics.exposition(registry)
-        return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
-
     def live_pids(self) -> set[int]:
         return {w.pid for w in self.workers if w.pid is not None}
-
-
-class MergedCollector(Collector):
-    """relay_* over all workers' snapshot files, plus the supervisor's own families."""
-
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
-
-    def collect(self) -> Iterator[Metric]:
-        sup = self.supervisor
-        snaps = metrics.read_snapshots(sup.run_dir / "metrics")
-        live = sup.live_pids()
-        yield from metrics.families(
-            list(snaps.values()), [s for p, s in snaps.items() if p in live]
-        )
-        workers = GaugeMetricFamily("relay_workers", "Worker processes, by state", labels=["state"])
-        workers.add_metric(["configured"], len(sup.workers))
-        workers.add_metric(["running"], len(live))
-        workers.add_metric(["ready"], sum(1 for w in sup.workers if w.ready))
-        yield workers
-        restarts = CounterMetricFamily("relay_worker_restarts", "Workers restarted after dying")
-        restarts.add_metric([], sum(w.restarts for w in sup.workers))
-        yield restarts
 
 
 def supervise(config: Config, log_level: str) -> int:
