@@ -41,6 +41,7 @@ import argparse
 import base64
 import gc
 import hashlib
+import json
 import os
 import statistics
 import subprocess
@@ -298,6 +299,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--cold-ms", type=float, default=0.0, help="latency after MS idle (rounds of 100)"
     )
+    parser.add_argument("--json", action="store_true", help="print the best rounds as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -328,6 +330,14 @@ def main(argv: list[str]) -> int:
     best: dict[str, list[float]] = {}
     for label, items in runs.items():
         best[label] = [min(r[i] for r in items) for i in range(len(WORKLOADS))]
+    if args.json:  # for bench.run's host-speed line: {tree: {workload: best µs}}
+        document = {
+            label: {name: round(b, 2) for (name, _, _), b in zip(WORKLOADS, values, strict=True)}
+            for label, values in best.items()
+        }
+        print(json.dumps(document))
+        return 0
+    for label, items in runs.items():
         medians = [statistics.median(r[i] for r in items) for i in range(len(WORKLOADS))]
         print(
             f"{label:<10} "

@@ -34,6 +34,7 @@ from bench.stack import (
     HOST_ENVD,
     LOAD_CPUS,
     ORIGIN_CPUS,
+    PRODUCT_BIN,
     PROXY_CPUS,
     ROOT,
     Column,
@@ -157,6 +158,7 @@ class Run:
         self.run_dir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
         self.run_dir.chmod(0o755)  # nginx workers run as nobody and serve files from here
         self.relay_src_commit = git_commit(Path(args.relay_src or ROOT))
+        self.host_speed: dict[str, float] | None = None
         if args.relay_src:
             # Snapshot the other tree now: it may be a live checkout that changes mid-run.
             snapshot = self.run_dir / "relay-src"
@@ -373,6 +375,8 @@ class Run:
         if busy:
             log(f"!! in use by another process (a leftover bench or relay?): {', '.join(busy)}")
             return 2
+        self.host_speed = host_speed(os.environ.get("BENCH_RELAY_SRC", ""))
+        log(f"host speed: {host_speed_text(self.host_speed)}")
         try:
             self.stack.start_origins()
             for proc in self.stack.procs:
@@ -435,6 +439,7 @@ class Run:
                 "relay_src": str(self.args.relay_src or ROOT),
                 "relay_src_commit": self.relay_src_commit,
                 "relay_commit": git_commit(ROOT),
+                "host_speed": self.host_speed,
             }
         )
         document = {
@@ -460,7 +465,8 @@ def publish(document: dict[str, Any], results: Path, name: str, *, readme: bool)
         f"{meta['memory_gib']} GiB, kernel {meta['kernel']}, Python {meta['python']}), "
         f"nginx {meta['nginx']}, {meta['wrk']}; bench at {meta['relay_commit']}; relay from "
         f"`{meta['relay_src']}` at {meta.get('relay_src_commit', meta['relay_commit'])}; "
-        f"took {meta['duration_s']:.0f} s. Raw numbers: `results/{name}.json`."
+        f"took {meta['duration_s']:.0f} s. Host speed: {host_speed_text(meta.get('host_speed'))}. "
+        f"Raw numbers: `results/{name}.json`."
     )
     absent_text = "\n".join(f"- `{k}` absent: {v}" for k, v in meta["absent"].items())
     md = "\n\n".join(
@@ -483,6 +489,36 @@ def publish(document: dict[str, Any], results: Path, name: str, *, readme: bool)
     log(md)
     log("")
     log(f"results: {results / name}.json, .md{', .png' if charted else ''}")
+
+
+def host_speed(relay_src: str) -> dict[str, float] | None:
+    """relay's in-process CPU per request (``bench.micro``, no sockets) on the 1-worker core.
+
+    The same code costs 2.5x more on some hosts than on others (bench/README.md, "A slower
+    host"), and CPython suffers more than nginx: this line says which kind of host a run was
+    made on, so runs on different hosts are not read as a change in relay.
+    """
+    argv = [str(PRODUCT_BIN / "python"), "-m", "bench.micro", "--json", "--rounds", "8"]
+    argv += ["--requests", "3000", "--cpu", str(PROXY_CPUS[1][0])]
+    if relay_src:
+        argv += ["--relay-src", relay_src]
+    try:
+        out = subprocess.run(
+            argv, capture_output=True, text=True, check=True, timeout=120, cwd=ROOT
+        ).stdout
+        best: dict[str, float] = json.loads(out)["this tree"]
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError):
+        return None
+    return best
+
+
+def host_speed_text(speed: dict[str, float] | None) -> str:
+    if not speed or "small GET" not in speed:
+        return "not measured"
+    return (
+        f"relay's in-process small GET {speed['small GET']:.1f} µs of user CPU (`bench.micro`; "
+        f"14-15 µs on the host of results/2026-11-30-vm-fc-v595, 31-38 µs on fc-v657)"
+    )
 
 
 def stamp() -> str:
