@@ -444,10 +444,11 @@ async def test_a_length_body_passed_through_in_pieces_stops_at_its_length(tmp_pa
 
 
 async def _scripted_upstream(
-    answers: list[bytes],
+    answers: list[bytes | tuple[bytes, ...]],
 ) -> tuple[asyncio.Server, list[list[bytes]], list[asyncio.Task[object]]]:
     """An upstream answering each request it reads with the next scripted bytes, recording
-    the request heads per connection."""
+    the request heads per connection. An answer given as a tuple is sent in parts, 50 ms
+    apart, so that relay reads them separately."""
     seen: list[list[bytes]] = []
     handlers: list[asyncio.Task[object]] = []
 
@@ -460,8 +461,12 @@ async def _scripted_upstream(
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while answers:
                 heads.append(await reader.readuntil(b"\r\n\r\n"))
-                writer.write(answers.pop(0))
-                await writer.drain()
+                answer = answers.pop(0)
+                for index, part in enumerate((answer,) if isinstance(answer, bytes) else answer):
+                    if index:
+                        await asyncio.sleep(0.05)
+                    writer.write(part)
+                    await writer.drain()
             await reader.read()
         writer.close()
 
@@ -497,6 +502,42 @@ async def test_a_request_pipelined_behind_an_injected_response_gets_a_fresh_conn
     assert (first.status, first.body) == (200, b"ok")
     assert (second.status, second.body) == (200, b"second")
     # The POST went out once, on a connection of its own, never on the one that misbehaved.
+    assert [len(heads) for heads in seen] == [1, 1]
+    assert seen[1][0].startswith(b"POST /2 ")
+
+
+async def test_bytes_after_a_passed_through_body_keep_the_connection_from_the_next_request(
+    tmp_path: Path,
+) -> None:
+    # The head comes in one read, the body and an injected response in the next: the body is
+    # passed through without llhttp (ResponseReader._pass_body), and the connection must not
+    # reach the pool, where the pipelined POST would take it, before the injection is seen.
+    server, seen, handlers = await _scripted_upstream(
+        [
+            (
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n",
+                b"okHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil",
+            ),
+            b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond",
+        ]
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("pass", insecure=True)]) as relay:
+            conn = await Connection.open(relay.port)
+            host = app_host(port, "pass")
+            await conn.send(
+                request_bytes("GET", "/1", host) + request_bytes("POST", "/2", host, body=b"x")
+            )
+            first = await conn.read_response()
+            second = await conn.read_response()
+            await conn.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    assert (first.status, first.body) == (200, b"ok")
+    assert (second.status, second.body) == (200, b"second")
     assert [len(heads) for heads in seen] == [1, 1]
     assert seen[1][0].startswith(b"POST /2 ")
 
