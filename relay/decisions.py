@@ -3,7 +3,8 @@
 ``decide`` is a pure function of the request head, the route table, the settings and the feed
 state, plus the clock (signature expirations only) and the in-flight counts (per-sandbox
 limits only). Clients repeat the same heads over and over (an SDK sends the same Host, token
-and headers on every call; a browser fetches one signed download URL in ranges), so
+and headers on every call; one signed download link is often fetched more than once, by
+retries or by several readers), so
 :class:`DecisionMemory` remembers decisions keyed by the whole head until the runtime says the
 table, the settings or the feed state changed (``forget``).
 
