@@ -81,12 +81,15 @@ class Splice:
             self.upstream.pause_reading()
 
     # -- client → upstream
+    # Each side writes first and tracks frame boundaries after: on an idle core every line
+    # before the write is latency (bench/README.md, "cold requests"); nothing can run in
+    # between, so a revocation still sees the boundary after this chunk.
     def client_data(self, data: bytes) -> None:
         if self._closed:
             return
+        self.upstream.write(data)
         self.bytes_in += len(data)
         self._to_upstream.feed(data)
-        self.upstream.write(data)
 
     def client_lost(self) -> None:
         self.reason = self.reason or "client_closed"
@@ -102,9 +105,9 @@ class Splice:
     def upstream_data(self, data: bytes) -> None:
         if self._closed:
             return
+        self.client.write(data)
         self.bytes_out += len(data)
         self._to_client.feed(data)
-        self.client.write(data)
 
     def upstream_eof(self) -> None:
         self.reason = self.reason or "upstream_closed"
