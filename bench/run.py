@@ -517,7 +517,7 @@ def host_speed_text(speed: dict[str, float] | None) -> str:
         return "not measured"
     return (
         f"relay's in-process small GET {speed['small GET']:.1f} µs of user CPU (`bench.micro`; "
-        f"14-15 µs on the host of results/2026-11-30-vm-fc-v595, 31-38 µs on fc-v657)"
+        f"other hosts' values: bench/README.md, \"A slower host\")"
     )
 
 
