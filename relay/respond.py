@@ -171,7 +171,8 @@ class Respond:
     def _finish(self) -> None:
         if self.state is DONE:
             return
-        self.flush()  # before the next pipelined exchange writes anything
+        if self._out:
+            self.flush()  # before the next pipelined exchange writes anything
         reader = self._drop_reader()
         upgraded = self.state is UPGRADED
         self.state = DONE
