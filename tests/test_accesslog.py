@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from relay import accesslog
 from relay.accesslog import AccessLog
 from relay.core.answers import log_members
 from relay.core.decide import Settings, decide
@@ -101,3 +102,52 @@ def test_members_without_a_request() -> None:
             "reason": "slow",
         }
     ]
+
+
+class _Writes(io.BytesIO):
+    """A stream that remembers each write, as a pipe would see them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return super().write(data)
+
+
+def test_lines_go_out_in_pipe_buf_pieces_cut_at_line_ends() -> None:
+    # Several workers share journald's pipe: a write of at most PIPE_BUF bytes is atomic, so
+    # lines never interleave; a longer line goes out alone.
+    stream = _Writes()
+    log = AccessLog()
+    log.configure(stream)
+    paths = [f"/p{'x' * (i * 37 % 300)}" for i in range(200)]
+    paths.insert(120, "/" + "L" * (accesslog.PIPE_BUF + 100))  # longer than PIPE_BUF
+    for i, path in enumerate(paths):
+        log.write_line(
+            float(i), "192.0.2.1", log_members("s", 1, "GET", path), 200, 0, i, 1.0, None
+        )
+    log.flush()
+    assert len(stream.writes) > 1
+    for piece in stream.writes:
+        assert piece.endswith(b"\n")
+        assert len(piece) <= accesslog.PIPE_BUF or piece.count(b"\n") == 1
+    lines = b"".join(stream.writes).splitlines()
+    assert [json.loads(line)["path"] for line in lines] == paths
+    assert [json.loads(line)["bytes_out"] for line in lines] == list(range(len(paths)))
+
+
+def test_a_full_buffer_is_written_without_waiting_for_the_sweep() -> None:
+    stream = _Writes()
+    log = AccessLog()
+    log.configure(stream)
+    members = log_members(None, None, None, None)
+    count = 0
+    while not stream.writes:  # each line is ~150 bytes: FLUSH_AT is reached within ~450
+        log.write_line(float(count), "::1", members, None, 0, 0, None, "x")
+        count += 1
+        assert count < accesslog.FLUSH_AT
+    written = b"".join(stream.writes)
+    assert len(written) >= accesslog.FLUSH_AT
+    assert len(written.splitlines()) == count
