@@ -166,11 +166,12 @@ class Exchange(Respond):
         if self.request_complete and decision.framing is CHUNKED:
             conn.write(LAST_CHUNK)
         # The reader after the write: the response cannot arrive before this callback returns.
-        reader = self.reader
+        reader = conn.reader
         if reader is None:
-            self.reader = ResponseReader(self)
+            reader = conn.reader = ResponseReader(self)
         else:
-            reader.restart()  # sent again on a fresh connection (_retry_on_a_fresh_connection)
+            reader.bind(self)  # a pooled connection: its parser reads the next response
+        self.reader = reader
         if self.client.write_paused:
             conn.pause_reading()
 
@@ -300,7 +301,8 @@ class Exchange(Respond):
             conn.owner = None
             conn.close()
         if reader is not None:
-            reader.parser = None  # a fresh one comes with the fresh connection (_attach)
+            reader.unbind()  # closed with its connection; a fresh one comes with the next
+            self.reader = None
         self.state = DIALING
         self.client.pause(PAUSE_DIAL)
         self._dial_task = self.client.relay.spawn(self._dial(self._pool_key(decision)))

@@ -162,10 +162,14 @@ class Respond:
         return True  # chunked: dropped until the limit, then closed (see request_body)
 
     def _drop_reader(self) -> ResponseReader | None:
-        """Break parser → reader → exchange, so all three are freed by reference counting."""
+        """Break reader → exchange, so the exchange is freed by reference counting.
+
+        The reader and its parser stay with the upstream connection for its next exchange;
+        the connection breaks reader ↔ parser when it closes (UpstreamConnection.close).
+        """
         reader, self.reader = self.reader, None
         if reader is not None:
-            reader.parser = None
+            reader.unbind()
         return reader
 
     def _finish(self) -> None:

@@ -71,6 +71,44 @@ class Events(Protocol):
         """An upstream read was parsed: write what it produced for the client."""
 
 
+class _Detached:
+    """The owner of a reader between two exchanges: whatever llhttp still reports belongs to
+    a response that is over (bytes after it mark the connection unusable, see feed)."""
+
+    response_complete = True
+    upstream: UpstreamConnection | None = None
+
+    def response_interim(self, status: int, reason: bytes, headers: Headers) -> None:
+        pass
+
+    def response_head(self, status: int, reason: bytes, headers: Headers, keep: bool) -> int:
+        return -1
+
+    def response_body(self, body: bytes) -> None:
+        pass
+
+    def response_passed(self, body: bytes) -> None:
+        pass
+
+    def response_end(self) -> None:
+        pass
+
+    def response_malformed(self, why: str) -> None:
+        pass
+
+    def response_upgrade(self, tail: bytes) -> None:
+        pass
+
+    def internal_error(self, exc: BaseException) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+DETACHED: Events = _Detached()
+
+
 class ResponseReader:
     __slots__ = (
         "_body_left",
@@ -89,8 +127,21 @@ class ResponseReader:
     )
 
     def __init__(self, owner: Events) -> None:
+        self.parser: httptools.HttpResponseParser | None = None  # made by bind
+        self.feeding = False  # inside feed(): llhttp is parsing one upstream read
+        self.bind(owner)
+
+    def bind(self, owner: Events) -> None:
+        """The next exchange on this connection reads its response with this reader.
+
+        The parser carries over when llhttp read the whole previous response: the connection
+        is only reused after a complete one (keep-alive, not answering HEAD, nothing after
+        it), so llhttp waits for the start of the next message. After a body passed through
+        without llhttp (_pass_body) it gets a fresh parser. Everything else starts afresh.
+        """
         self._owner = owner
-        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        if self.parser is None:
+            self.parser = httptools.HttpResponseParser(self)
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0  # the current response head's size, then its trailers'
         self._in_head = False  # fields now are head fields, not trailers
@@ -99,7 +150,6 @@ class ResponseReader:
         self._reason = b""
         self.interim = False  # a 1xx is being read; its end is not the response's end
         self._extra = False  # the upstream sent bytes after its complete response
-        self.feeding = False  # inside feed(): llhttp is parsing one upstream read
         # A connection whose response ended inside the current read: released to its pool
         # only once the whole read is parsed, so that bytes after the response (which make it
         # unusable) are seen before a pipelined exchange could take it (release_after_feed).
@@ -109,13 +159,11 @@ class ResponseReader:
         # through llhttp's on_body, which would copy every chunk once more.
         self._body_left = -1
 
-    def restart(self) -> None:
-        """The request is sent again on a fresh connection: a fresh llhttp parser.
-
-        The rest of the reader's state carries over, as it did when the exchange itself was
-        llhttp's protocol: nothing of a response was accepted before a retry.
-        """
-        self.parser = httptools.HttpResponseParser(self)
+    def unbind(self) -> None:
+        """The exchange is over: it is no longer reported to (and no longer kept alive by this
+        reader, which stays with a pooled connection)."""
+        self._owner = DETACHED
+        self._headers = []  # nothing of the last response stays with an idle connection
 
     def release_after_feed(self, conn: UpstreamConnection, pool: Pool) -> None:
         self._release = (conn, pool)
@@ -188,6 +236,9 @@ class ResponseReader:
         extra = len(data) > left
         self._extra = extra
         self._body_left = 0
+        # llhttp never saw this body: it still waits for it, so it cannot read a next response
+        # on this connection. The next exchange gets a fresh parser (bind).
+        self.parser = None
         conn = owner.upstream
         owner.response_body(data[:left] if extra else data)
         self.on_message_complete()

@@ -17,7 +17,10 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from typing import NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+
+if TYPE_CHECKING:
+    from relay.response import ResponseReader
 
 log = logging.getLogger("relay.upstream")
 
@@ -53,7 +56,7 @@ class DialObserver(Protocol):
 
 
 class UpstreamConnection(asyncio.Protocol):
-    __slots__ = ("closed", "idle_since", "key", "owner", "pool", "transport", "uses")
+    __slots__ = ("closed", "idle_since", "key", "owner", "pool", "reader", "transport", "uses")
 
     def __init__(self, pool: Pool, key: PoolKey) -> None:
         self.pool = pool
@@ -63,6 +66,10 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.closed = False
         self.uses = 0
+        # llhttp's reader of this connection's responses, made by its first exchange and
+        # handed from one exchange to the next (relay.forward.Exchange._attach): responses on
+        # a keep-alive connection are one stream of messages, as llhttp sees them.
+        self.reader: ResponseReader | None = None
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -92,6 +99,7 @@ class UpstreamConnection(asyncio.Protocol):
         owner, self.owner = self.owner, None
         if owner is not None:
             owner.upstream_lost(exc)
+        self._drop_reader()
 
     def pause_writing(self) -> None:
         if self.owner is not None:
@@ -122,11 +130,20 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
+        self._drop_reader()
 
     def abort(self) -> None:
         if self.transport is not None:
             self.closed = True
             self.transport.abort()
+        self._drop_reader()
+
+    def _drop_reader(self) -> None:
+        """A closed connection reads no more responses: break reader ↔ parser, so both are
+        freed by reference counting with the connection."""
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            reader.parser = None
 
 
 class DialError(Exception):
