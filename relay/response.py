@@ -1,7 +1,9 @@
 """Reading an upstream's response: llhttp's callbacks turned into a few events.
 
-A :class:`ResponseReader` is the llhttp protocol for the response to one exchange. It owns
-what *parsing* the response needs: the head being read (its fields, reason and size), interim
+A :class:`ResponseReader` is the llhttp protocol for the responses on one upstream
+connection, bound to one exchange at a time (a keep-alive connection's responses are one
+stream of messages for llhttp, so the parser is kept rather than made per request). It owns
+what *parsing* a response needs: the head being read (its fields, reason and size), interim
 1xx responses, the count-down of a Content-Length body, the bytes an upstream sends after its
 response, and relay's limit on a head or trailer section that never ends. What the upstream
 sent is reported to the exchange (:class:`Events`), which decides what the client gets
