@@ -324,6 +324,7 @@ class Exchange(Respond):
         self.state = UPGRADED
         self.response_complete = True
         self._drop_reader()  # as in _finish: no cycle outlives the exchange
+        conn.drop_reader()  # the connection carries WebSocket frames from here on
         relay = self.client.relay
         relay.unregister(self)
         relay.observer.exchange_done(self)

@@ -99,7 +99,7 @@ class UpstreamConnection(asyncio.Protocol):
         owner, self.owner = self.owner, None
         if owner is not None:
             owner.upstream_lost(exc)
-        self._drop_reader()
+        self.drop_reader()
 
     def pause_writing(self) -> None:
         if self.owner is not None:
@@ -130,17 +130,17 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
-        self._drop_reader()
+        self.drop_reader()
 
     def abort(self) -> None:
         if self.transport is not None:
             self.closed = True
             self.transport.abort()
-        self._drop_reader()
+        self.drop_reader()
 
-    def _drop_reader(self) -> None:
-        """A closed connection reads no more responses: break reader ↔ parser, so both are
-        freed by reference counting with the connection."""
+    def drop_reader(self) -> None:
+        """No more responses will be read here (closed, or spliced after a 101): break
+        reader ↔ parser, so both are freed by reference counting at once."""
         reader, self.reader = self.reader, None
         if reader is not None:
             reader.parser = None

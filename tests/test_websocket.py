@@ -124,3 +124,21 @@ async def test_removing_the_route_ends_the_websocket(relay: RelayUnderTest, ws_a
         assert (await other.receive(2)).data == "echo:still here"
         await other.close()
         await revoked.close()
+
+
+async def test_a_spliced_connection_keeps_no_http_parser(
+    relay: RelayUnderTest, ws_app: WsApp
+) -> None:
+    # After the 101 the upstream connection carries frames only: the llhttp reader that came
+    # with it (it lives with a pooled connection) is dropped, not held for the WebSocket's
+    # life (bench: RSS per idle WebSocket).
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(f"{relay.url}/ws", headers=ws_headers(ws_app)) as ws,
+    ):
+        await ws.send_str("hi")
+        assert (await ws.receive(2)).data == "echo:hi"
+        splices = [item for items in relay.relay.live.values() for item in items]
+        assert len(splices) == 1
+        upstream = splices[0].upstream  # type: ignore[attr-defined]
+        assert upstream.reader is None
