@@ -111,6 +111,12 @@ class FakeUpstream:
         self.fields: list[tuple[bytes, bytes]] = []
         self.url = b""
         self.parser = httptools.HttpRequestParser(self)
+        self.reader: Any = None  # relay's ResponseReader for this connection, as upstreams.py
+
+    def drop_reader(self) -> None:
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            reader.parser = None
 
     # what relay calls
     def write(self, data: bytes) -> None:
@@ -133,6 +139,7 @@ class FakeUpstream:
 
     def close(self) -> None:
         self.closed = True
+        self.drop_reader()
 
     def is_closing(self) -> bool:
         return self.closed
