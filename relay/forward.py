@@ -284,7 +284,6 @@ class Exchange(Respond):
         byte; the race is between the upstream's idle close and relay noticing it.
         """
         decision = self.decision
-        reader = self.reader
         if (
             self._retried
             or not self._reused
@@ -300,9 +299,7 @@ class Exchange(Respond):
         if conn is not None:
             conn.owner = None
             conn.close()
-        if reader is not None:
-            reader.unbind()  # closed with its connection; a fresh one comes with the next
-            self.reader = None
+        self._drop_reader()  # closed with its connection; a fresh one comes with the next
         self.state = DIALING
         self.client.pause(PAUSE_DIAL)
         self._dial_task = self.client.relay.spawn(self._dial(self._pool_key(decision)))

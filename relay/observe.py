@@ -117,10 +117,7 @@ class Observer:
         histogram = self.first_byte.get(kind)
         if histogram is None:
             histogram = self.first_byte[kind] = Histogram(FIRST_BYTE_BUCKETS)
-        # Histogram.observe spelled out: once per request.
-        value = time.monotonic() - exchange.started_at
-        histogram.counts[bisect.bisect_left(histogram.bounds, value)] += 1
-        histogram.total += value
+        histogram.observe(time.monotonic() - exchange.started_at)
 
     def dial_done(self, seconds: float) -> None:
         self.connect.observe(seconds)
@@ -135,10 +132,7 @@ class Observer:
         decision = exchange.decision
         kind = decision.kind.value if isinstance(decision, Forward) else "refused"
         status = exchange.status
-        # status_class() spelled out: once per request.
-        self.requests[
-            (kind, _STATUS_CLASSES[status // 100] if 100 <= status <= 599 else "none")
-        ] += 1
+        self.requests[(kind, status_class(status))] += 1
         self.bytes_in += exchange.bytes_in
         self.bytes_out += exchange.bytes_out
         if not ACCESS_LOG.enabled:

@@ -138,13 +138,11 @@ class Relay:
         self.connections.discard(conn)
 
     # -- live exchanges and revocation ----------------------------------------------------------
-    # register/unregister run once each per request: the sandbox is read inline (a call less
-    # each), and no empty set is built for a sandbox that already has one.
     def register(self, item: Live) -> None:
-        decision = item.decision
-        if not isinstance(decision, Forward) or decision.target is None:
+        sandbox_id = _sandbox_of(item)
+        if sandbox_id is None:
             return
-        sandbox_id = decision.target.sandbox_id
+        # get, not setdefault: no empty set is built per request for a sandbox that has one.
         items = self.live.get(sandbox_id)
         if items is None:
             items = self.live[sandbox_id] = set()
@@ -152,10 +150,9 @@ class Relay:
         self.inflight[sandbox_id] = self.inflight.get(sandbox_id, 0) + 1
 
     def unregister(self, item: Live) -> None:
-        decision = item.decision
-        if not isinstance(decision, Forward) or decision.target is None:
+        sandbox_id = _sandbox_of(item)
+        if sandbox_id is None:
             return
-        sandbox_id = decision.target.sandbox_id
         items = self.live.get(sandbox_id)
         if items is None or item not in items:
             return
@@ -363,6 +360,13 @@ class Relay:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
         ACCESS_LOG.flush()
+
+
+def _sandbox_of(item: Live) -> str | None:
+    decision = item.decision
+    if isinstance(decision, Forward) and decision.target is not None:
+        return decision.target.sandbox_id
+    return None
 
 
 def _in_networks(
