@@ -38,9 +38,7 @@ they change.
 from __future__ import annotations
 
 import argparse
-import base64
 import gc
-import hashlib
 import json
 import os
 import statistics
@@ -57,8 +55,11 @@ ENVD_TOKEN = "bench-envd-token-0123456789abcdef"
 
 def _signed_files_request() -> bytes:
     """``GET /files`` with a v1 signature made as the SDK makes it (no expiration)."""
-    digest = hashlib.sha256(f"/home/user/data.txt:read:user:{ENVD_TOKEN}".encode()).digest()
-    signature = "v1_" + base64.b64encode(digest).decode().rstrip("=")
+    # relay.core.auth is pure (no logging, no stdout): importing it early changes nothing of
+    # what the child measures (see serve_rounds).
+    from relay.core.auth import file_signature
+
+    signature = file_signature("/home/user/data.txt", "read", "user", ENVD_TOKEN, None)
     target = f"/files?path={quote('/home/user/data.txt', safe='')}&username=user"
     target += f"&signature={quote(signature, safe='')}"
     return (
