@@ -517,7 +517,7 @@ def host_speed_text(speed: dict[str, float] | None) -> str:
         return "not measured"
     return (
         f"relay's in-process small GET {speed['small GET']:.1f} µs of user CPU (`bench.micro`; "
-        f'other hosts\' values: bench/README.md, "A slower host")'
+        f'other hosts\' values: bench/README.md, "Hosts")'
     )
 
 
