@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from relay.core import failures, responses
 from relay.core import headers as header_rules
-from relay.core.answers import reason_phrase, render, serialise_response
+from relay.core.answers import answer_bytes, reason_phrase, render
 from relay.core.model import Forward, Framing, Headers, Reason, Reject, RequestHead
 from relay.core.streams import EnvelopeTracker, end_stream_frame
 from relay.flow import PAUSE_DIAL, PAUSE_UPSTREAM_FULL
@@ -135,16 +135,9 @@ class Respond:
             and self._discard_ok()
         )
         self.keep_alive = keep
-        fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
-        if not keep:
-            fields = (*fields, (b"Connection", b"close"))
-        # A response to HEAD has no content (RFC 9110 §9.3.2): bytes after the head would be
-        # read as the start of the next response on a kept-alive connection.
-        body = b"" if self.head.method == b"HEAD" else answer.body
-        self.client.write(
-            serialise_response(answer.status, reason_phrase(answer.status), fields) + body
-        )
-        self.bytes_out += len(body)
+        head_only = self.head.method == b"HEAD"
+        self.client.write(answer_bytes(answer, close=not keep, head_only=head_only))
+        self.bytes_out += 0 if head_only else len(answer.body)
         self.response_complete = True
         self._pending = []
         if self.request_complete or not keep:

@@ -29,8 +29,9 @@ from relay.decisions import DecisionMemory
 from relay.feeds import open_feed
 from relay.observe import Observer
 from relay.reload import reload_settings
-from relay.server import ClientConnection, Timers
+from relay.server import ClientConnection
 from relay.startup import check_parsers
+from relay.timers import Timers
 from relay.tls import ReloadableContext
 from relay.upstreams import Pool
 

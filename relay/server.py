@@ -24,19 +24,14 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from relay.core.answers import reason_phrase, render, serialise_response
+from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_QUEUE, PAUSE_UPGRADE
 from relay.forward import Exchange
-from relay.timers import Timers
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
     from relay.websocket import Splice
-
-# Timers lived here before it got its own module (relay.timers); relay.runtime (and code on
-# other branches) still imports it from here.
-__all__ = ["ClientConnection", "Timers"]
 
 log = logging.getLogger("relay.server")
 
@@ -313,21 +308,9 @@ class ClientConnection(asyncio.Protocol):
 
     def refuse(self, reject: Reject, *, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         """Answer a request relay could not even parse or admit, then close."""
-        answer = render(reject, headers)
         self.closing = True
         self.relay.observer.connection_refused(reject, self.peer)
-        self.write(
-            serialise_response(
-                answer.status,
-                reason_phrase(answer.status),
-                (
-                    *answer.headers,
-                    (b"Content-Length", str(len(answer.body)).encode()),
-                    (b"Connection", b"close"),
-                ),
-            )
-            + answer.body
-        )
+        self.write(answer_bytes(render(reject, headers), close=True))
         self.close()
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from relay.core.answers import render
+from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject
 
 
@@ -85,3 +85,18 @@ def test_sandbox_limit_message() -> None:
     body = json.loads(render(Reject(reason=Reason.SANDBOX_LIMIT, sandbox_id="a", limit=3)).body)
     assert body["message"] == "The sandbox has too many concurrent incoming connections (limit: 3)"
     assert body["connectionLimit"] == 3
+
+
+@pytest.mark.parametrize(("close", "head_only"), [(False, False), (True, False), (True, True)])
+def test_answer_bytes_frames_the_answer(close: bool, head_only: bool) -> None:
+    answer = render(Reject(reason=Reason.NOT_FOUND, sandbox_id="abc"))
+    raw = answer_bytes(answer, close=close, head_only=head_only)
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert sep and lines[0] == b"HTTP/1.1 502 Bad Gateway"
+    fields = [tuple(line.split(b": ", 1)) for line in lines[1:]]
+    assert fields[: len(answer.headers)] == list(answer.headers)
+    # Content-Length is the answer's length even when a HEAD answer leaves the body out.
+    assert (b"Content-Length", str(len(answer.body)).encode()) in fields
+    assert ((b"Connection", b"close") in fields) is close
+    assert body == (b"" if head_only else answer.body)
