@@ -3,8 +3,9 @@
 The real ``ClientConnection`` (llhttp framing, limits, pipelining, refusals) and the real
 ``Exchange`` run on a fake transport, with an in-memory upstream pool whose connections parse
 what relay writes to them with a strict llhttp request parser and answer each complete
-request with a small 200. No socket and no event loop: between reads the harness delivers
-the upstream answers, as the loop would.
+request with one of ``ANSWERS``; released connections are reused, as relay's pool does. No
+socket and no event loop: between reads the harness delivers the upstream answers, as the
+loop would.
 
 A crash is any exception, a bug logged by relay, or a broken invariant:
 
@@ -165,17 +166,34 @@ class FakeUpstream:
 
 
 class FakePool:
+    """Hands out a new connection when none is idle and keeps released ones, as
+    ``relay.upstreams.Pool`` does, so that one connection (its request parser here, relay's
+    response reader and llhttp parser there) carries exchange after exchange."""
+
     def __init__(self) -> None:
         self.made: list[FakeUpstream] = []
+        self.idle: dict[PoolKey, list[FakeUpstream]] = {}
+
+    def reset(self) -> None:
+        self.made.clear()
+        self.idle.clear()
 
     def acquire(self, key: PoolKey) -> FakeUpstream:
+        idle = self.idle.get(key, [])
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                conn.uses += 1
+                return conn
         conn = FakeUpstream(key)
         self.made.append(conn)
         return conn
 
     def release(self, conn: FakeUpstream) -> None:
+        assert conn.pending == 0, "a connection went back to the pool with a request unanswered"
         conn.owner = None
-        conn.closed = True  # never reused: each exchange gets a fresh, checked connection
+        if not conn.closed:
+            self.idle.setdefault(conn.key, []).append(conn)
 
     def purge(self, sandbox_id: str) -> int:
         return 0
@@ -226,7 +244,7 @@ logging.getLogger("relay").propagate = False
 def test_one_input(data: bytes) -> None:
     relay = RELAY
     pool: FakePool = relay.pool  # type: ignore[assignment]
-    pool.made.clear()
+    pool.reset()
     transport = FakeTransport()
     conn = ClientConnection(relay, tls=False)
     conn.connection_made(transport)  # type: ignore[arg-type]
