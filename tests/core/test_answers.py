@@ -93,7 +93,8 @@ def test_answer_bytes_frames_the_answer(close: bool, head_only: bool) -> None:
     raw = answer_bytes(answer, close=close, head_only=head_only)
     head, sep, body = raw.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
-    assert sep and lines[0] == b"HTTP/1.1 502 Bad Gateway"
+    assert sep
+    assert lines[0] == b"HTTP/1.1 502 Bad Gateway"
     fields = [tuple(line.split(b": ", 1)) for line in lines[1:]]
     assert fields[: len(answer.headers)] == list(answer.headers)
     # Content-Length is the answer's length even when a HEAD answer leaves the body out.
