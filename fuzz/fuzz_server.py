@@ -32,6 +32,7 @@ with atheris.instrument_imports(include=["relay"]):
     from relay.config import parse
     from relay.core import headers as header_rules
     from relay.core import policy
+    from relay.outbox import Outbox
     from relay.runtime import Relay
     from relay.server import ClientConnection
     from relay.upstreams import PoolKey
@@ -98,11 +99,30 @@ class FakeTransport:
         pass
 
 
-class FakeUpstream:
-    """An upstream connection: checks what relay writes, answers complete requests."""
+class Wire:
+    """The far end of a fake upstream connection: what relay's outbox sends arrives here."""
 
-    def __init__(self, key: PoolKey) -> None:
+    def __init__(self, upstream: FakeUpstream) -> None:
+        self.upstream = upstream
+
+    def write(self, data: bytes) -> None:
+        self.upstream.receive(data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self.upstream.receive(b"".join(parts))
+
+    def is_closing(self) -> bool:
+        return self.upstream.closed
+
+
+class FakeUpstream:
+    """An upstream connection: checks what relay writes, answers complete requests. Writes
+    go through relay's outbox, as ``UpstreamConnection``'s do."""
+
+    def __init__(self, key: PoolKey, outbox: Outbox) -> None:
         self.key = key
+        self.outbox = outbox
+        self.wire = Wire(self)
         self.owner: Any = None
         self.uses = 1
         self.closed = False
@@ -122,15 +142,19 @@ class FakeUpstream:
     # what relay calls
     def write(self, data: bytes) -> None:
         assert not self.closed, "relay wrote to a closed upstream connection"
+        self.outbox.write(self.wire, data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        assert not self.closed, "relay wrote to a closed upstream connection"
+        self.outbox.writelines(self.wire, parts)
+
+    def receive(self, data: bytes) -> None:
         if self.upgraded:
             return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.upgraded = True  # a WebSocket handshake: bytes after it are frames
-
-    def writelines(self, parts: list[bytes]) -> None:
-        self.write(b"".join(parts))
 
     def pause_reading(self) -> None:
         pass
@@ -139,6 +163,7 @@ class FakeUpstream:
         pass
 
     def close(self) -> None:
+        self.outbox.flush()  # as UpstreamConnection.close: what was written goes out first
         self.closed = True
         self.drop_reader()
 
@@ -170,7 +195,8 @@ class FakePool:
     ``relay.upstreams.Pool`` does, so that one connection (its request parser here, relay's
     response reader and llhttp parser there) carries exchange after exchange."""
 
-    def __init__(self) -> None:
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
         self.made: list[FakeUpstream] = []
         self.idle: dict[PoolKey, list[FakeUpstream]] = {}
 
@@ -185,7 +211,7 @@ class FakePool:
             if not conn.closed:
                 conn.uses += 1
                 return conn
-        conn = FakeUpstream(key)
+        conn = FakeUpstream(key, self.outbox)
         self.made.append(conn)
         return conn
 
@@ -231,8 +257,18 @@ def make_relay() -> Relay:
     )
     relay = Relay(config)
     relay.install_routes(dict(ROUTES), "fuzz")
-    relay.pool = FakePool()  # type: ignore[assignment]
+    relay.pool = FakePool(relay.outbox)  # type: ignore[assignment]
+    relay.outbox.bind(TURN.append, busy=0)  # every small write held: ordering fuzzed
     return relay
+
+
+# The event loop's turns: relay's outbox holds small writes until its callback runs.
+TURN: list[Any] = []
+
+
+def turn_end() -> None:
+    while TURN:
+        TURN.pop(0)()
 
 
 RELAY = make_relay()
@@ -256,17 +292,24 @@ def test_one_input(data: bytes) -> None:
             break
         conn.data_received(data[start : start + step])
         requests = conn.requests
-        # The event loop's turn: upstreams answer the requests they have in full.
-        for upstream in list(pool.made):
-            while upstream.pending and upstream.owner is not None and not upstream.closed:
-                upstream.pending -= 1
-                owner = upstream.owner
-                owner.upstream_data(answer)
-                if then_close and upstream.owner is owner:
-                    upstream.closed = True
-                    upstream.owner = None
-                    owner.upstream_eof()
-                    owner.upstream_lost(None)
+        # The event loop's turns: held writes go out, upstreams answer the requests they
+        # have in full, until nothing moves.
+        moved = True
+        while moved:
+            turn_end()
+            moved = False
+            for upstream in list(pool.made):
+                while upstream.pending and upstream.owner is not None and not upstream.closed:
+                    moved = True
+                    upstream.pending -= 1
+                    owner = upstream.owner
+                    owner.upstream_data(answer)
+                    if then_close and upstream.owner is owner:
+                        upstream.closed = True
+                        upstream.owner = None
+                        owner.upstream_eof()
+                        owner.upstream_lost(None)
+    turn_end()
     conn.connection_lost(None)
     assert not relay.live, relay.live
     assert not relay.inflight, relay.inflight

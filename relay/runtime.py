@@ -28,6 +28,7 @@ from relay.core.routes import RouteError, RouteTable
 from relay.decisions import DecisionMemory
 from relay.feeds import open_feed
 from relay.observe import Observer
+from relay.outbox import Outbox
 from relay.reload import reload_settings
 from relay.server import ClientConnection
 from relay.startup import check_parsers
@@ -59,7 +60,9 @@ class Relay:
         self._table = RouteTable()
         self._feed_state = FeedState(ready=False)
         self.observer = Observer()
+        self.outbox = Outbox()  # bound to the loop in start()
         self.pool = Pool(
+            outbox=self.outbox,
             connect_timeout_s=config.upstream.connect_timeout_s,
             idle_timeout_s=config.upstream.idle_timeout_s,
             max_idle_per_key=config.upstream.max_idle_per_upstream,
@@ -259,6 +262,7 @@ class Relay:
     async def start(self) -> None:
         check_parsers()
         loop = asyncio.get_running_loop()
+        self.outbox.bind(loop.call_soon)
         listen = self.config.listen
         # Checked over netlink: a wrong source address stops relay here (relay.netlink).
         self.pool.source_address = await netlink.resolve_source_async(self.config.upstream)
@@ -351,6 +355,7 @@ class Relay:
         for conn in list(self.connections):
             conn.close()
         self.pool.close_all()
+        self.outbox.unbind()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

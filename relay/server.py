@@ -147,6 +147,7 @@ class ClientConnection(asyncio.Protocol):
         # HTTP/1.1 gives a half-closed client no way to send another request.
         # Over TLS asyncio closes the connection at EOF whatever this returns (a half-closed
         # TLS stream cannot carry the rest of a response), so only plain TCP keeps it.
+        self.relay.outbox.flush()  # uvloop closes the transport on False: held bytes first
         if self.active is None or self.tls:
             return False
         self.closing = True
@@ -273,11 +274,11 @@ class ClientConnection(asyncio.Protocol):
     # -- called by exchanges --------------------------------------------------------------
     def write(self, data: bytes) -> None:
         if self.transport is not None:
-            self.transport.write(data)
+            self.relay.outbox.write(self.transport, data)
 
     def writelines(self, parts: list[bytes]) -> None:
         if self.transport is not None:
-            self.transport.writelines(parts)
+            self.relay.outbox.writelines(self.transport, parts)
 
     def exchange_finished(self, exchange: object, *, keep_alive: bool) -> None:
         """The response of the active exchange is complete; start the next one or idle."""
@@ -314,6 +315,7 @@ class ClientConnection(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
+        self.relay.outbox.flush()  # what was written before the close goes out before it
         self.closing = True
         self.parser = None
         if self.transport is not None and not self.transport.is_closing():
@@ -321,6 +323,7 @@ class ClientConnection(asyncio.Protocol):
             self.relay.timers.close_deadline(self)
 
     def abort(self) -> None:
+        self.relay.outbox.flush()
         self.closing = True
         if self.transport is not None:
             self.transport.abort()

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
+from relay.outbox import Outbox
+
 if TYPE_CHECKING:
     from relay.response import ResponseReader
 
@@ -88,6 +90,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()  # an idle connection must not talk: it cannot be reused safely
 
     def eof_received(self) -> bool:
+        self.pool.outbox.flush()  # uvloop closes the transport on return: held bytes first
         if self.owner is not None:
             self.owner.upstream_eof()
         return False
@@ -112,11 +115,11 @@ class UpstreamConnection(asyncio.Protocol):
     # -- used by exchanges
     def write(self, data: bytes) -> None:
         assert self.transport is not None
-        self.transport.write(data)
+        self.pool.outbox.write(self.transport, data)
 
     def writelines(self, parts: list[bytes]) -> None:
         assert self.transport is not None
-        self.transport.writelines(parts)
+        self.pool.outbox.writelines(self.transport, parts)
 
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:
@@ -127,12 +130,14 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
+        self.pool.outbox.flush()  # what was written before the close goes out before it
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
         self.drop_reader()
 
     def abort(self) -> None:
+        self.pool.outbox.flush()
         if self.transport is not None:
             self.closed = True
             self.transport.abort()
@@ -166,8 +171,10 @@ class Pool:
         source_address: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         observer: DialObserver | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.observer = observer
+        self.outbox = outbox or Outbox()  # the relay's, so both sides share one per turn
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_key = max_idle_per_key
