@@ -10,9 +10,10 @@ once per turn: 0.06 IPIs per request, CPU per small GET 23.9 → 22.7 µs (syste
 turn").
 
 Only under load: a write that is held waits for the rest of the turn and one more pass of
-the loop, which on a quiet relay is pure latency (a stream event one at a time: +20 µs at
-p50, +70 µs at p99 when every write was held). So a turn holds writes only when the turn
-before it had :data:`BUSY` writes or more; a quiet loop writes at once, as before.
+the loop, which on a quiet relay is pure latency (a stream event one at a time: +19 µs at
+p50, +94 µs at p99 in `make bench` when every write was held). So a turn holds writes only
+when the turn before it had :data:`BUSY` writes or more; a quiet loop writes at once, as
+before.
 
 The rules that keep the deferral invisible to the HTTP exchanges:
 
