@@ -72,11 +72,14 @@ async def emitter() -> AsyncIterator[TestServer]:
     await server.close()
 
 
-@pytest.fixture
-async def relay(tmp_path: Path, emitter: TestServer) -> AsyncIterator[RelayUnderTest]:
+@pytest.fixture(params=[False, True], ids=["writes", "held"])
+async def relay(
+    tmp_path: Path, emitter: TestServer, request: pytest.FixtureRequest
+) -> AsyncIterator[RelayUnderTest]:
+    """Each test with small writes sent at once and with every one held (relay.outbox)."""
     routes = [route("proc", envd_token="tok"), route("bystander", envd_token="tok2")]
     overrides = {"upstream": {"envd_port": emitter.port}}
-    async with running_relay(tmp_path, routes, overrides) as r:
+    async with running_relay(tmp_path, routes, overrides, hold_every_write=request.param) as r:
         yield r
 
 

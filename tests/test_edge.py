@@ -15,10 +15,12 @@ from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.rawhttp import Connection, request
 
 
-@pytest.fixture
-async def relay(tmp_path: Path) -> AsyncIterator[RelayUnderTest]:
+@pytest.fixture(params=[False, True], ids=["writes", "held"])
+async def relay(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[RelayUnderTest]:
+    """Each test with small writes sent at once and with every one held (relay.outbox)."""
     overrides = {"listen": {"header_timeout_s": 0.5, "max_header_bytes": 4096}}
-    async with running_relay(tmp_path, [route("sbx", envd_token="t")], overrides) as r:
+    routes = [route("sbx", envd_token="t")]
+    async with running_relay(tmp_path, routes, overrides, hold_every_write=request.param) as r:
         yield r
 
 

@@ -87,10 +87,14 @@ def app_host(port: int, sandbox: str = "sbx1") -> str:
     return f"{port}-{sandbox}.{DOMAIN}"
 
 
-@pytest.fixture
-async def relay(tmp_path: Path, upstream: Upstream) -> AsyncIterator[RelayUnderTest]:
+@pytest.fixture(params=[False, True], ids=["writes", "held"])
+async def relay(
+    tmp_path: Path, upstream: Upstream, request: pytest.FixtureRequest
+) -> AsyncIterator[RelayUnderTest]:
+    """Each test twice: small writes sent at once (a quiet relay) and every one held to the
+    end of the loop's turn (relay under load, relay.outbox)."""
     routes = [route("sbx1", envd_token="envd-secret", traffic_token="traffic-secret")]
-    async with running_relay(tmp_path, routes) as r:
+    async with running_relay(tmp_path, routes, hold_every_write=request.param) as r:
         yield r
 
 
