@@ -25,8 +25,7 @@ The rules that keep the deferral invisible to the HTTP exchanges:
 * Whoever closes, aborts or half-closes a connection flushes first
   (``ClientConnection``/``UpstreamConnection``), so bytes written before a close go out
   before it, as they did when every write went straight to the transport.
-* Unbound (no running loop: unit tests, the fuzz harness by default, ``bench.micro``'s
-  in-process drive) every write goes straight through.
+* Unbound (no running loop: unit tests of the protocols) every write goes straight through.
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ class Outbox:
         self._writes += 1
         if not self._scheduled and self._schedule is not None:
             self._scheduled = True
-            self._schedule(self._turn_end)
+            self._schedule(self.end_turn)
 
     def _hold(self, transport: Writable, data: bytes | list[bytes], size: int) -> None:
         self._items.append((transport, data))
@@ -111,7 +110,10 @@ class Outbox:
         if self._held > MAX_HELD:
             self.flush()
 
-    def _turn_end(self) -> None:
+    def end_turn(self) -> None:
+        """The loop's turn is over: the callback given to ``schedule``. Code that drives
+        relay's protocols without a loop (``bench.micro``, the fuzz harness) binds a no-op
+        ``schedule`` and calls this itself after each callback."""
         self._scheduled = False
         self._holding = self._writes >= self._busy
         self._writes = 0
