@@ -12,8 +12,11 @@ What is never remembered: decisions that read the in-flight counts (a route with
 ``max_connections``), and refusals that may come from the clock (an expired signature looks
 like any other 401). A signed URL's Forward is remembered until its ``signature_expiration``
 (``Forward.expires``), in a memory of its own so that the common hit never reads the clock.
-Bounded: each memory is dropped whenever it holds ``DECISION_MEMORY`` decisions, so a client
-sending ever-new heads costs relay a full ``decide`` per request and no memory.
+Bounded: each memory is dropped whenever it holds ``DECISION_MEMORY`` decisions, and a head
+of more than ``MEMO_FIELDS`` fields or ``MEMO_BYTES`` bytes (SDKs send about ten fields and
+well under 1 KiB) is decided but never remembered, so a client sending ever-new heads costs
+relay a full ``decide`` per request and no more memory than ``DECISION_MEMORY`` small entries
+(at most ~45 MiB per memory, see ``MEMO_FIELDS``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ from relay.core.model import Decision, Forward, Reason, RequestHead
 from relay.core.routes import RouteTable
 
 DECISION_MEMORY = 4096
+# What a remembered head may hold, in fields and in bytes of target, names and values (what
+# ``listen.max_header_bytes`` counts, minus the line framing). A key keeps the head's field
+# tuple (~130 B of objects per field) and a Forward copies its bytes (``wire``; the target
+# also into the path, log path and log line), so an entry costs ~1.5 KB + ~130 B per field +
+# 2-4 B per byte: measured ~3 KB for an SDK head (12 fields, 600 B) and ~11 KB at worst
+# within these limits, so at most ~45 MiB per memory, against ~12 MiB for one full of SDK
+# heads. Unlimited, a 16 KiB head of 1,900 tiny fields cost ~250 KB, 4,096 of them ~1 GB.
+MEMO_FIELDS = 32
+MEMO_BYTES = 2048
 
 Key = tuple[object, ...]
 D = TypeVar("D", bound=Decision)
@@ -41,6 +53,17 @@ def rememberable(decision: Decision, head: RequestHead) -> bool:
     if b"expiration" in query or b"%" in query:
         return False  # an expired signature's refusal depends on the clock (in any spelling)
     return decision.reason is not Reason.SANDBOX_LIMIT
+
+
+def small(head: RequestHead) -> bool:
+    """Whether ``head`` (at most ``MEMO_FIELDS`` fields) is small enough to be remembered.
+
+    Only asked after a full ``decide``, which this costs a few percent of (a loop over at
+    most ``MEMO_FIELDS`` fields): a remembered head is never measured again."""
+    size = len(head.target)
+    for name, value in head.headers:
+        size += len(name) + len(value)
+    return size <= MEMO_BYTES
 
 
 class DecisionMemory:
@@ -59,6 +82,10 @@ class DecisionMemory:
         inflight: Mapping[str, int],
     ) -> Decision:
         """``relay.core.decide(head, ...)``, remembered when it may be."""
+        if len(head.headers) > MEMO_FIELDS:
+            # Never remembered (MEMO_FIELDS), so not looked for: the lookup would only hash
+            # every field for nothing.
+            return decide(head, table, settings, feed=feed, now=int(time.time()), inflight=inflight)
         key = (
             head.method,
             head.target,
@@ -76,7 +103,7 @@ class DecisionMemory:
         if expiring is not None and expiring.expires is not None and now <= expiring.expires:
             return expiring  # ``exp == now`` is still valid (auth.check_signature)
         decision = decide(head, table, settings, feed=feed, now=now, inflight=inflight)
-        if rememberable(decision, head):
+        if rememberable(decision, head) and small(head):
             if isinstance(decision, Forward) and decision.expires is not None:
                 _remember(self._expiring, key, decision)
             else:

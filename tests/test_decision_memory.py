@@ -1,4 +1,5 @@
-"""Relay.decide remembers decisions only while they cannot change (relay/decisions.py)."""
+"""Relay.decide remembers decisions only while they cannot change, and only for small heads
+(relay/decisions.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from relay.core.auth import file_signature
-from relay.core.model import Forward, Reason, Reject, RequestHead
+from relay.core.decide import FeedState, Settings
+from relay.core.model import Forward, Reason, Reject, RequestHead, Route, Target
+from relay.core.routes import RouteTable
+from relay.decisions import MEMO_BYTES, MEMO_FIELDS, DecisionMemory
 from tests.support.harness import DOMAIN, route, running_relay
 
 
@@ -128,3 +132,72 @@ async def test_the_memory_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert isinstance(again, Forward)
         assert again is not first
         assert again == first  # decided afresh, to the same decision
+
+
+def tiny_fields(count: int) -> tuple[tuple[bytes, bytes], ...]:
+    """``count`` distinct two-byte fields: the most Python objects per byte of head."""
+    return tuple((b"%c%c" % (97 + i % 26, 97 + i // 26 % 26), b"v") for i in range(count))
+
+
+def sized(fields: int, size: int) -> RequestHead:
+    """A forwarded head of exactly ``fields`` fields and ``size`` bytes of target, names and
+    values (what ``relay.decisions.small`` counts)."""
+    host = f"8080-mem.{DOMAIN}".encode()
+    others = tiny_fields(fields - 2)
+    used = len(b"/") + len(b"Host") + len(host) + 3 * len(others) + len(b"X-Pad")
+    assert size >= used
+    return head(b"/", host, *others, (b"X-Pad", b"p" * (size - used)))
+
+
+MEMORY_INPUTS: tuple[RouteTable, Settings, FeedState, dict[str, int]] = (
+    RouteTable.of({"mem": Route(sandbox_id="mem", address="127.0.0.1", insecure=True)}),
+    Settings(domains=(DOMAIN,)),
+    FeedState(),
+    {},
+)
+
+
+@pytest.mark.parametrize(
+    ("request_head", "refusal"),
+    [
+        # The review's probe: ~1,900 tiny fields under the 16 KiB head limit, refused (no
+        # sandbox named) before any route is looked at; remembered, each pinned ~250 KB.
+        (head(b"/p1", b"localhost", *tiny_fields(1900)), Reason.NO_TARGET),
+        (sized(MEMO_FIELDS + 1, 200), None),  # one field too many
+        (sized(3, MEMO_BYTES + 1), None),  # one byte too many
+        (head(b"/" + b"a" * MEMO_BYTES, f"8080-mem.{DOMAIN}".encode()), None),  # the target counts
+    ],
+    ids=["1900-fields-refused", "fields", "bytes", "target"],
+)
+def test_a_head_too_large_to_remember_is_decided_every_time(
+    request_head: RequestHead, refusal: Reason | None
+) -> None:
+    # A remembered head keeps its field tuple alive: ever-new heads of many fields (or of
+    # many bytes) must cost relay a decide each, not memory (relay.decisions.MEMO_FIELDS).
+    memory = DecisionMemory()
+    first = memory.decide(request_head, *MEMORY_INPUTS)
+    if refusal is None:
+        assert isinstance(first, Forward)
+        assert first.target == Target("mem", 8080)
+    else:
+        assert isinstance(first, Reject)
+        assert first.reason is refusal
+    again = memory.decide(request_head, *MEMORY_INPUTS)
+    assert again == first  # decided afresh, to the same decision
+    assert again is not first  # but not remembered
+
+
+def test_an_ordinary_head_up_to_the_limits_is_remembered() -> None:
+    memory = DecisionMemory()
+    sdk = head(
+        b"/process.Process/Start",
+        f"8080-mem.{DOMAIN}".encode(),
+        (b"User-Agent", b"e2b-python-sdk/2.3.0"),
+        (b"Content-Type", b"application/connect+json"),
+        (b"Connect-Protocol-Version", b"1"),
+        (b"Content-Length", b"42"),
+    )
+    for request in (sdk, sized(MEMO_FIELDS, MEMO_BYTES)):
+        first = memory.decide(request, *MEMORY_INPUTS)
+        assert isinstance(first, Forward)
+        assert memory.decide(request, *MEMORY_INPUTS) is first

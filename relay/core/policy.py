@@ -75,16 +75,30 @@ def clean_path(path: str) -> str:
     return "/" + "/".join(out)
 
 
-@functools.lru_cache(maxsize=2048)
+# Targets longer than this are split every time, never remembered: an entry holds the target
+# and about one more copy of it (raw path and query, cleaned path), measured ~2.4 KB at most,
+# so the 2,048 remembered targets hold at most ~5 MiB. Targets of any length (up to
+# ``listen.max_header_bytes``, 16 KiB by default) could hold ~75 MiB. SDK targets are short
+# (a signed ``/files`` URL is ~200 B).
+TARGET_MEMO_BYTES = 1024
+
+
 def split_target(target: bytes) -> SplitTarget | Reject:
     """Refuse request targets relay will not forward; split the rest (SPEC §1, §5a).
 
-    Memoised (bounded): a relay sees the same few request targets over and over (``/health``,
-    ``/process.Process/Start``, an app's routes), and the result is never mutated.
+    Memoised (bounded, see ``TARGET_MEMO_BYTES``): a relay sees the same few request targets
+    over and over (``/health``, ``/process.Process/Start``, an app's routes), and the result
+    is never mutated.
 
     Only origin-form is accepted (RFC 9112 §3.2.1): absolute-form is for forward proxies and
     asterisk-form for server-wide OPTIONS, neither of which is a sandbox request.
     """
+    if len(target) > TARGET_MEMO_BYTES:
+        return _split_target(target)
+    return _remembered_split(target)
+
+
+def _split_target(target: bytes) -> SplitTarget | Reject:
     if not target.startswith(b"/"):
         return Reject(reason=Reason.BAD_TARGET_FORM)
     raw_path, sep, raw_query = target.partition(b"?")
@@ -115,6 +129,9 @@ def split_target(target: bytes) -> SplitTarget | Reject:
     # latin-1 maps every byte to one code point, so cleaning cannot fail or merge bytes.
     cleaned = clean_path(decoded.decode("latin-1"))
     return SplitTarget(raw_path=raw_path, raw_query=raw_query if sep else None, clean_path=cleaned)
+
+
+_remembered_split = functools.lru_cache(maxsize=2048)(_split_target)
 
 
 def is_control_path(cleaned: str) -> bool:

@@ -11,7 +11,6 @@ fields and serialised with a single join.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from relay.core.headers import HOP_BY_HOP, connection_tokens
@@ -22,6 +21,10 @@ CONNECT_TYPE = b"application/connect+json"
 _PLAIN_OPTIONS = frozenset({b"keep-alive", b"close", b"upgrade"})
 _PLAIN_VALUES = frozenset({b"keep-alive", b"close", b"upgrade"})
 _STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
+# A guest may invent reasons: at most 256 lines, of reasons no longer than this (the longest
+# registered one, "Network Authentication Required", has 31 bytes), so at most ~80 KB. With
+# any length (up to the 64 KiB response head) the 256 lines and keys could hold 32 MiB.
+_STATUS_LINE_REASON = 64
 
 
 @dataclass(slots=True)
@@ -39,7 +42,7 @@ def status_line(status: int, reason: bytes) -> bytes:
     line = _STATUS_LINES.get(key)
     if line is None:
         line = b"HTTP/1.1 %d %s\r\n" % (status, reason)
-        if len(_STATUS_LINES) < 256:  # a guest may invent reasons: keep the cache bounded
+        if len(_STATUS_LINES) < 256 and len(reason) <= _STATUS_LINE_REASON:
             _STATUS_LINES[key] = line
     return line
 
@@ -81,7 +84,19 @@ def end_to_end(headers: Headers) -> tuple[list[tuple[bytes, bytes]], dict[bytes,
     return out, seen
 
 
-@functools.lru_cache(maxsize=1024)
+# Remembered plans (``plan_response``): dropped whenever they number ``PLAN_MEMORY``, and
+# only for heads of at most ``PLAN_MEMO_FIELDS`` fields and ``PLAN_MEMO_BYTES`` bytes of
+# reason, names and values. An entry keeps the upstream's field tuple (~130 B of objects
+# per field) and the planned head (a copy of the bytes), so ~1 KB + ~130 B per field + ~2 B
+# per byte: ~2 KB for a common head (8 fields, 300 B), ~13 KB at worst within these limits,
+# so at most ~13 MiB. Unlimited, a 64 KiB head of 7,000 tiny fields cost ~1 MB per entry,
+# ~1 GB in all. Apps send 5-20 fields; a head beyond either limit is planned every time.
+PLAN_MEMORY = 1024
+PLAN_MEMO_FIELDS = 32
+PLAN_MEMO_BYTES = 4096
+_PLANS: dict[tuple[object, ...], ResponsePlan] = {}
+
+
 def plan_response(
     status: int,
     reason: bytes,
@@ -93,10 +108,38 @@ def plan_response(
 ) -> ResponsePlan:
     """The client-facing head and framing of a final (non-1xx, non-101) response.
 
-    Memoised (bounded): an upstream repeats the same heads (an app's static answers, envd's
-    stream heads), and planning one costs more than hashing it. The plan is shared, so
-    nothing may mutate it.
+    Memoised (bounded, see ``PLAN_MEMORY``): an upstream repeats the same heads (an app's
+    static answers, envd's stream heads), and planning one costs more than hashing it. The
+    plan is shared, so nothing may mutate it.
     """
+    if len(headers) > PLAN_MEMO_FIELDS:
+        # Never remembered, so not looked for: the lookup would only hash every field.
+        return _plan(status, reason, headers, method, client_version, keep_alive, websocket)
+    key = (status, reason, headers, method, client_version, keep_alive, websocket)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(status, reason, headers, method, client_version, keep_alive, websocket)
+        # Measured once, on a miss (a loop over at most PLAN_MEMO_FIELDS fields, a small
+        # share of planning): a remembered head is never measured again.
+        size = len(reason)
+        for name, value in headers:
+            size += len(name) + len(value)
+        if size <= PLAN_MEMO_BYTES:
+            if len(_PLANS) >= PLAN_MEMORY:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _plan(
+    status: int,
+    reason: bytes,
+    headers: Headers,
+    method: bytes,
+    client_version: str,
+    keep_alive: bool,
+    websocket: bool,
+) -> ResponsePlan:
     out, seen = end_to_end(headers)
     length = seen.get(b"content-length")
     ends_at_head = method == b"HEAD"

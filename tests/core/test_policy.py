@@ -9,7 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relay.core.model import Reason, Reject
-from relay.core.policy import CONTROL_PATHS, clean_path, percent_decode_path, split_target
+from relay.core.policy import (
+    CONTROL_PATHS,
+    TARGET_MEMO_BYTES,
+    SplitTarget,
+    clean_path,
+    percent_decode_path,
+    split_target,
+)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +91,23 @@ def test_split(target: bytes, clean: str, query: bytes | None) -> None:
     assert not isinstance(result, Reject)
     assert result.clean_path == clean
     assert result.raw_query == query
+
+
+@pytest.mark.parametrize("query", [b"", b"?q="])
+def test_only_short_targets_are_remembered(query: bytes) -> None:
+    # A remembered target is kept with its split copies: 2,048 targets of 16 KiB would pin
+    # ~75 MiB (relay.core.policy.TARGET_MEMO_BYTES).
+    short = b"/process.Process/Start" + query
+    assert split_target(short) is split_target(short)
+    edge = short + b"a" * (TARGET_MEMO_BYTES - len(short))
+    assert split_target(edge) is split_target(edge)
+    long = edge + b"a"
+    first = split_target(long)
+    path, _, rest = long.partition(b"?")
+    assert first == SplitTarget(path, rest if query else None, path.decode())
+    again = split_target(long)
+    assert again == first  # split afresh, to the same result
+    assert again is not first  # but not remembered
 
 
 def test_control_paths_are_envds_internal_routes() -> None:

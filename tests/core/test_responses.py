@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from relay.core import responses
 from relay.core.model import Framing
-from relay.core.responses import ResponsePlan, interim_head, plan_response, upgrade_head
+from relay.core.responses import (
+    PLAN_MEMO_BYTES,
+    PLAN_MEMO_FIELDS,
+    ResponsePlan,
+    interim_head,
+    plan_response,
+    status_line,
+    upgrade_head,
+)
 
 CL = (b"Content-Length", b"5")
 TE = (b"Transfer-Encoding", b"chunked")
@@ -83,3 +92,57 @@ def test_interim_and_upgrade_heads() -> None:
         b"HTTP/1.1 101 Switching Protocols\r\nSec-WebSocket-Accept: x\r\n"
         b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
     )
+
+
+def tiny_fields(count: int) -> tuple[tuple[bytes, bytes], ...]:
+    """``count`` distinct short fields: the most Python objects per byte of head."""
+    return tuple((b"x%d" % i, b"v") for i in range(count))
+
+
+def sized(fields: int, size: int) -> tuple[tuple[bytes, bytes], ...]:
+    """``fields`` fields of exactly ``size`` bytes of names and values, with the reason "OK"
+    (what ``plan_response`` counts)."""
+    others = (CL, *tiny_fields(fields - 2))
+    used = len(b"OK") + sum(len(n) + len(v) for n, v in others) + len(b"X-Pad")
+    assert size >= used
+    return (*others, (b"X-Pad", b"p" * (size - used)))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        # The review's probe: ~7,000 tiny fields under the 64 KiB response head limit; each
+        # remembered plan kept ~1 MB of field objects alive.
+        (*tiny_fields(7000), CL),
+        sized(PLAN_MEMO_FIELDS + 1, 300),  # one field too many
+        sized(3, PLAN_MEMO_BYTES + 1),  # one byte too many
+    ],
+    ids=["7000-fields", "fields", "bytes"],
+)
+def test_a_head_too_large_to_remember_is_planned_every_time(
+    headers: tuple[tuple[bytes, bytes], ...],
+) -> None:
+    first = plan(headers)
+    assert first.framing is Framing.LENGTH
+    assert first.length == 5
+    assert first.head.count(b"\r\n") == len(headers) + 2  # every field passed on
+    again = plan(headers)
+    assert again == first  # planned afresh, to the same plan
+    assert again is not first  # but not remembered
+
+
+def test_an_ordinary_head_up_to_the_limits_is_remembered() -> None:
+    nginx = ((b"Server", b"nginx"), (b"Content-Type", b"text/plain"), CL)
+    for headers in (nginx, sized(PLAN_MEMO_FIELDS, PLAN_MEMO_BYTES)):
+        first = plan(headers)
+        assert plan(headers) is first
+
+
+def test_status_lines_remembered_only_for_short_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A guest may send any reason, up to the 64 KiB response head: 256 long ones would pin
+    # 32 MiB. A fresh memory, so that what other tests left in it does not matter.
+    monkeypatch.setattr(responses, "_STATUS_LINES", {})
+    assert status_line(299, b"Fine") is status_line(299, b"Fine")
+    long = b"R" * 65
+    assert status_line(299, long) == b"HTTP/1.1 299 " + long + b"\r\n"
+    assert status_line(299, long) is not status_line(299, long)

@@ -6,17 +6,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.core.model import Reject, Target
+from relay.core.model import Reason, Reject, Target
 from relay.core.target import (
     API_HOST,
+    HOST_MEMO_BYTES,
     ApiHost,
     find_target,
+    host_target,
     normalise_host,
     parse_port,
     target_from_host,
 )
 
 DOMAINS = ("e2b.example.com", "sandbox.localhost")
+ONE_LABEL = "Invalid host: only one label may precede the domain e2b.example.com"
 
 
 @pytest.mark.parametrize(
@@ -142,6 +145,25 @@ def test_most_specific_domain_wins() -> None:
     domains = ("example.com", "e2b.example.com")
     ordered = tuple(sorted(domains, key=len, reverse=True))
     assert target_from_host("49983-abc.e2b.example.com", ordered) == Target("abc", 49983)
+
+
+def test_only_hosts_as_long_as_a_host_name_are_remembered() -> None:
+    # A remembered Host is kept as its key: 4,096 Host values of 16 KiB would pin ~64 MiB
+    # (relay.core.target.HOST_MEMO_BYTES).
+    prefix, suffix = b"49983-abc-", b".e2b.example.com:49983"
+    edge = prefix + b"x" * (HOST_MEMO_BYTES - len(prefix) - len(suffix)) + suffix
+    assert host_target(edge, DOMAINS) == (True, Target("abc", 49983))
+    assert host_target(edge, DOMAINS) is host_target(edge, DOMAINS)
+    labels = b"a." * (HOST_MEMO_BYTES // 2) + b"e2b.example.com"
+    for value, answer in [
+        (prefix + b"x" + edge[len(prefix) :], Target("abc", 49983)),
+        (labels, Reject(reason=Reason.BAD_HOST, detail=ONE_LABEL)),
+    ]:
+        first = host_target(value, DOMAINS)
+        assert first == (True, answer)
+        again = host_target(value, DOMAINS)
+        assert again == first  # parsed afresh, to the same answer
+        assert again is not first  # but not remembered
 
 
 @given(
