@@ -31,17 +31,14 @@ HOP_BY_HOP = frozenset(
 ACCESS_TOKEN = b"x-access-token"
 TRAFFIC_TOKEN = b"e2b-traffic-access-token"
 CREDENTIALS = frozenset({ACCESS_TOKEN, TRAFFIC_TOKEN})
-FORWARDED = frozenset(
-    {
-        b"forwarded",
-        b"x-forwarded-for",
-        b"x-forwarded-proto",
-        b"x-forwarded-host",
-        b"x-forwarded-port",
-        b"x-forwarded-prefix",
-        b"x-real-ip",
-    }
-)
+# What a proxy tells the upstream about the client, dropped from an untrusted peer (SPEC §4).
+# Every ``X-Forwarded-*`` field goes, by prefix: besides For/Proto/Host/Port/Prefix, apps
+# behind proxies read -Server, -Uri, -Scheme, -Ssl, -Client-Cert (Envoy's XFCC), -User and
+# -Email (oauth2-proxy) as facts a proxy vouched for, and more get invented.
+FORWARDED = frozenset({b"forwarded", b"x-real-ip"})
+FORWARDED_PREFIX = b"x-forwarded-"
+_AFTER_FORWARDED_PREFIX = b"x-forwarded."  # b"-" + 1: the first name past every prefixed one
+_UNDERSCORE = 0x5F  # ``95 in name`` is a byte scan; ``b"_" in name`` goes through a buffer
 # Fields that must appear at most once: two routing ids or two tokens are ambiguous, and
 # a verifier and an upstream could each read a different one (SPEC §5a).
 SINGLETONS = (b"host", b"e2b-sandbox-id", b"e2b-sandbox-port", ACCESS_TOKEN, TRAFFIC_TOKEN)
@@ -105,6 +102,28 @@ def request_headers(
     """The end-to-end request fields to send upstream, in the client's order.
 
     ``names`` are the lower-cased names of ``headers`` (from :func:`index_with_names`).
+
+    From a peer that is not a trusted proxy, ``Forwarded``, ``X-Real-IP`` and every
+    ``X-Forwarded-*`` field are dropped (SPEC §4). From a trusted proxy they are kept and
+    this hop is added (:func:`_with_forwarded`).
+
+    Underscore spellings: a name that relay drops is also dropped when spelled with ``_``
+    for any ``-`` (``X_Forwarded_For``, ``X_Access_Token``, ``E2b_Traffic_Access_Token``,
+    ``Transfer_Encoding``...). RFC 9110 §5.1 makes them different fields, but CGI and what
+    is modelled on it (WSGI, PHP, Rack) fold ``-`` and ``_`` into one ``HTTP_*`` variable
+    (RFC 3875 §4.1.18), so to such an upstream ``X_Forwarded_For: 6.6.6.6`` is a client
+    address and ``X_Access_Token`` a credential. Only the spellings of what relay drops
+    anyway go; any other name with ``_`` passes untouched (SPEC §2 "everything else passes";
+    nginx instead ignores every such name by default, ``underscores_in_headers off``).
+
+    - Credentials: relay checks only the ``-`` spelling, and in ``strip`` mode no credential
+      may reach an upstream (SPEC §2), so no spelling of one may either. In ``forward`` mode
+      ``X_Access_Token`` is passed on like ``X-Access-Token``; the traffic token, relay's
+      own, goes in every spelling in either mode.
+    - Forwarding fields: dropped in these spellings even from a trusted proxy. A proxy
+      writes them with ``-``; an underscore spelling is a client's that the proxy passed on
+      without recognising it, and a CGI upstream would merge it into the
+      ``X-Forwarded-For`` relay writes.
     """
     drop = rules.drop
     connection = fields.get(b"connection")
@@ -114,8 +133,23 @@ def request_headers(
         drop = drop | (connection_tokens(connection) - {b"host"})
     if rules.forwarded_for is None:
         drop = drop | FORWARDED
-    out = [pair for pair, key in zip(headers, names, strict=True) if key not in drop]
-    if rules.forwarded_for is not None:
+        # Per field: one set lookup, a bytes comparison (names in [prefix, after) are those
+        # starting with the prefix; no slice is allocated) and a byte scan; names with an
+        # underscore (rare) take _kept_folded.
+        prefix, after = FORWARDED_PREFIX, _AFTER_FORWARDED_PREFIX
+        out = [
+            pair
+            for pair, key in zip(headers, names, strict=True)
+            if key not in drop
+            and (key < prefix or key >= after)
+            and (_UNDERSCORE not in key or _kept_folded(key, drop))
+        ]
+    else:
+        out = [
+            pair
+            for pair, key in zip(headers, names, strict=True)
+            if key not in drop and (_UNDERSCORE not in key or _kept_folded(key, drop))
+        ]
         out = _with_forwarded(out, fields, rules.forwarded_for)
     if rules.framing is Framing.LENGTH:
         out.append((b"Content-Length", str(rules.content_length).encode()))
@@ -125,6 +159,13 @@ def request_headers(
         out.append((b"Connection", b"Upgrade"))
         out.append((b"Upgrade", b"websocket"))
     return tuple(out)
+
+
+def _kept_folded(key: bytes, drop: frozenset[bytes]) -> bool:
+    """Whether a lower-cased name containing ``_`` is kept: its ``-`` spelling is neither
+    dropped nor a forwarding field (see :func:`request_headers`)."""
+    folded = key.replace(b"_", b"-")
+    return not (folded in drop or folded in FORWARDED or folded.startswith(FORWARDED_PREFIX))
 
 
 def _with_forwarded(

@@ -7,8 +7,11 @@ Each property is checked against an independent model where one exists:
   ``urllib`` and ``posixpath``, not with relay's own helpers;
 * a signed URL verifies iff it is exactly the SDK's signature, unexpired;
 * in strip mode no credential is ever forwarded, in any spelling relay strips: the
-  ``X-Access-Token`` and ``E2b-Traffic-Access-Token`` fields (any case), and the
-  ``signature``/``signature_expiration`` query parameters as Go's ``Query()`` would read them.
+  ``X-Access-Token`` and ``E2b-Traffic-Access-Token`` fields (any case, and with ``_`` for
+  ``-`` as a CGI/WSGI upstream reads them), and the ``signature``/``signature_expiration``
+  query parameters as Go's ``Query()`` would read them;
+* from a peer that is not a trusted proxy no forwarding field reaches the upstream under any
+  name a CGI upstream reads as ``HTTP_FORWARDED``, ``HTTP_X_REAL_IP`` or ``HTTP_X_FORWARDED_*``.
 
 Nothing here may raise on any input: relay runs these functions on every request.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import posixpath
 import re
 
+import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +48,23 @@ HOSTS = [
     b"api.e2b.test",
 ]
 _GO_ESCAPE = re.compile(rb"%(?![0-9a-fA-F]{2})")
+
+
+# -- an independent model of what a CGI/WSGI upstream reads from a field name ------------------
+
+
+def cgi_var(name: bytes) -> bytes:
+    """RFC 3875 §4.1.18: the meta-variable a field becomes (``-`` and ``_`` fold together)."""
+    return b"HTTP_" + name.upper().replace(b"-", b"_")
+
+
+CGI_CREDENTIALS = frozenset({b"HTTP_X_ACCESS_TOKEN", b"HTTP_E2B_TRAFFIC_ACCESS_TOKEN"})
+
+
+def cgi_forwarding(name: bytes) -> bool:
+    """Whether an upstream reads the field as a proxy's report on the client (SPEC §4)."""
+    var = cgi_var(name)
+    return var in (b"HTTP_FORWARDED", b"HTTP_X_REAL_IP") or var.startswith(b"HTTP_X_FORWARDED_")
 
 
 # -- an independent model of what envd (Go) makes of a request-target -------------------------
@@ -117,7 +138,13 @@ targets = st.one_of(
     st.binary(max_size=40).map(lambda b: b"/" + b),
 )
 credential_names = st.sampled_from(
-    [b"X-Access-Token", b"E2b-Traffic-Access-Token", b"x-access-token"]
+    [
+        b"X-Access-Token",
+        b"E2b-Traffic-Access-Token",
+        b"x-access-token",
+        b"X_Access_Token",
+        b"e2b-traffic_access-token",
+    ]
 ).flatmap(
     lambda name: st.lists(st.booleans(), min_size=len(name), max_size=len(name)).map(
         lambda upper: bytes(
@@ -139,6 +166,15 @@ field_names = st.one_of(
             b"E2b-Sandbox-Port",
             b"Forwarded",
             b"X-Forwarded-For",
+            b"X-Forwarded-Server",
+            b"x-forwarded-client-cert",
+            b"X_Forwarded_For",
+            b"X-Forwarded_Proto",
+            b"X-Forwarded",
+            b"X-Real-IP",
+            b"X_Real_Ip",
+            b"Transfer_Encoding",
+            b"X_Other",
             b"Keep-Alive",
             b"TE",
             b"Trailer",
@@ -307,11 +343,12 @@ def test_decide_is_total_and_safe(head: RequestHead) -> None:
             own = {b"content-length", b"transfer-encoding", b"connection", b"upgrade"}
             assert not (set(names) & (headers.HOP_BY_HOP - own))
             assert names.count(b"content-length") + names.count(b"transfer-encoding") <= 1
-            assert not (set(names) & headers.FORWARDED)  # no trusted proxies configured
+            assert not any(map(cgi_forwarding, names))  # no trusted proxies configured
             if result.target is not None and result.target.port != mode.envd_port:
-                assert b"e2b-traffic-access-token" not in names  # relay's own, in either mode
+                # relay's own, in either mode
+                assert b"HTTP_E2B_TRAFFIC_ACCESS_TOKEN" not in map(cgi_var, names)
             if mode.strip:
-                assert not (set(names) & headers.CREDENTIALS)
+                assert not (set(map(cgi_var, names)) & CGI_CREDENTIALS)
                 for key in go_query_keys(result.path):
                     assert key.lower() not in auth.STRIPPED_PARAMS, result.path
 
@@ -519,8 +556,8 @@ def test_request_headers_policy(
     out = headers.request_headers(head, names, index, rules)
     out_names = [n.lower() for n, _ in out]
     if strip:
-        assert not set(out_names) & headers.CREDENTIALS
-    assert not set(out_names) & headers.FORWARDED
+        assert not set(map(cgi_var, out_names)) & CGI_CREDENTIALS
+    assert not any(map(cgi_forwarding, out_names))
     expected_framing = {
         Framing.NONE: [],
         Framing.LENGTH: [(b"Content-Length", b"7")],
@@ -537,7 +574,120 @@ def test_request_headers_policy(
         for token in value.split(b",")
     }
     gone = drop | headers.FORWARDED | (named - {b"host"})
+
+    def kept(name: bytes) -> bool:
+        low = name.lower()
+        return not (low in gone or low.replace(b"_", b"-") in gone or cgi_forwarding(name))
+
     added = len(expected_framing) + (2 if websocket else 0)
-    assert list(out[: len(out) - added]) == [p for p in head if p[0].lower() not in gone]
+    assert list(out[: len(out) - added]) == [p for p in head if kept(p[0])]
     # Host is what relay routed on: it reaches the upstream whatever Connection says (SPEC §4).
     assert (b"Host", b"h") in out
+
+
+# X-Forwarded-* fields that are not on any fixed list: relay drops the prefix (SPEC §4).
+UNLISTED_FORWARDED = [
+    b"X-Forwarded-Server",
+    b"X-Forwarded-Uri",
+    b"X-Forwarded-Scheme",
+    b"X-Forwarded-Ssl",
+    b"X-Forwarded-Client-Cert",
+    b"X-Forwarded-User",
+    b"X-Forwarded-Email",
+    b"x-forwarded-anything-new",
+    b"X-Forwarded-",
+]
+UNDERSCORE_FORWARDED = [
+    b"X_Forwarded_For",
+    b"x_forwarded_proto",
+    b"X-Forwarded_Host",
+    b"X_Forwarded-Port",
+    b"X_Forwarded_User",
+    b"X_Real_IP",
+    b"x-real_ip",
+]
+STRIP = headers.HOP_BY_HOP | headers.CREDENTIALS
+
+
+def _outbound(
+    fields: list[tuple[bytes, bytes]],
+    drop: frozenset[bytes] = STRIP,
+    forwarded_for: tuple[str, str, bytes] | None = None,
+) -> list[tuple[bytes, bytes]]:
+    head = ((b"Host", b"h"), *fields, (b"User-Agent", b"t"))
+    index, names = headers.index_with_names(head)
+    rules = headers.OutboundRules(drop=drop, framing=Framing.NONE, forwarded_for=forwarded_for)
+    return list(headers.request_headers(head, names, index, rules))
+
+
+@pytest.mark.parametrize("name", UNLISTED_FORWARDED + UNDERSCORE_FORWARDED)
+def test_untrusted_peer_loses_every_x_forwarded_field(name: bytes) -> None:
+    out = _outbound([(name, b"spoofed"), (b"X-Forwarded-For", b"6.6.6.6")])
+    assert out == [(b"Host", b"h"), (b"User-Agent", b"t")]
+
+
+@pytest.mark.parametrize("name", UNLISTED_FORWARDED)
+def test_trusted_proxy_keeps_its_x_forwarded_fields(name: bytes) -> None:
+    out = _outbound(
+        [(name, b"edge"), (b"X-Forwarded-For", b"203.0.113.9")],
+        forwarded_for=("10.0.0.1", "https", b"h"),
+    )
+    assert (name, b"edge") in out
+    assert (b"X-Forwarded-For", b"203.0.113.9, 10.0.0.1") in out
+
+
+@pytest.mark.parametrize("name", UNDERSCORE_FORWARDED)
+def test_trusted_proxy_does_not_pass_on_underscore_spellings(name: bytes) -> None:
+    # A CGI upstream would merge X_Forwarded_For into the X-Forwarded-For relay writes.
+    out = _outbound([(name, b"6.6.6.6")], forwarded_for=("10.0.0.1", "http", b"h"))
+    assert out == [
+        (b"Host", b"h"),
+        (b"User-Agent", b"t"),
+        (b"X-Forwarded-For", b"10.0.0.1"),
+        (b"X-Forwarded-Proto", b"http"),
+        (b"X-Forwarded-Host", b"h"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        b"X_Access_Token",
+        b"x-access_token",
+        b"E2b_Traffic_Access_Token",
+        b"e2b-traffic_access-token",
+    ],
+)
+def test_underscore_spellings_of_credentials_are_stripped(name: bytes) -> None:
+    assert _outbound([(name, b"envd-tok")]) == [(b"Host", b"h"), (b"User-Agent", b"t")]
+
+
+def test_underscore_spelling_follows_the_dash_spelling_in_forward_mode() -> None:
+    # credentials = "forward": X-Access-Token is passed on for envd to check, and so is the
+    # underscore spelling; the traffic token is relay's own and goes in either spelling.
+    forward = headers.HOP_BY_HOP | {headers.TRAFFIC_TOKEN}
+    fields = [(b"X_Access_Token", b"a"), (b"E2b_Traffic_Access_Token", b"b")]
+    assert _outbound(fields, drop=forward) == [
+        (b"Host", b"h"),
+        (b"X_Access_Token", b"a"),
+        (b"User-Agent", b"t"),
+    ]
+
+
+def test_other_underscore_names_and_near_misses_pass_untouched() -> None:
+    fields = [
+        (b"X_Custom", b"1"),
+        (b"X-Forwarded", b"2"),  # not an X-Forwarded-* field
+        (b"X-Forwardedfor", b"3"),
+        (b"X-Forwarded.For", b"3"),  # "." sorts right after "-"
+        (b"X-Forwarded,", b"3"),  # "," right before
+        (b"My-X-Forwarded-For", b"4"),
+        (b"Transfer_Encodings", b"5"),
+    ]
+    assert _outbound(fields) == [(b"Host", b"h"), *fields, (b"User-Agent", b"t")]
+
+
+def test_underscore_spellings_of_hop_by_hop_fields_are_dropped() -> None:
+    fields = [(b"Transfer_Encoding", b"chunked"), (b"Proxy_Authorization", b"x"), (b"X_Hop", b"1")]
+    out = _outbound([*fields, (b"Connection", b"x-hop")])
+    assert out == [(b"Host", b"h"), (b"User-Agent", b"t")]
