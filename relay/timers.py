@@ -9,66 +9,93 @@ after a grace period.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from relay.server import ClientConnection
+CLOSE_GRACE_S = 5.0
+
+
+class Waiting(Protocol):
+    """What the sweep does to a connection (``relay.server.ClientConnection``)."""
+
+    def head_timed_out(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 class Timers:
     """Header and idle deadlines for every client connection, swept by one periodic task.
 
-    Deadlines are kept in insertion-ordered dicts; since every entry of a dict gets the same
-    timeout, the oldest entries expire first and a sweep stops at the first live one. One
-    task scanning a few expired entries costs less than a ``TimerHandle`` per connection.
+    Each dict maps a connection to the time its wait *started*, in insertion order, so the
+    oldest entries expire first and a sweep stops at the first live one. One task scanning a
+    few expired entries costs less than a ``TimerHandle`` per connection.
+
+    The timeout is applied when sweeping, not stored per entry: a SIGHUP that changes
+    ``header_timeout_s`` or ``idle_timeout_s`` (relay/reload.py assigns them in place) holds
+    for every connection at once, measured from when its wait started — a lowered timeout
+    closes the connections that already waited longer at the next sweep, a raised one gives
+    the waiting ones the longer time. Storing deadlines instead would break the sweep's
+    ordering: after a lowered timeout, new short deadlines would sit behind older long ones
+    and be honoured only up to the old timeout later. Nothing is rewritten on a reload and the
+    sweep still costs one comparison per expired entry plus one.
     """
 
-    def __init__(self, header_timeout_s: float, idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        header_timeout_s: float,
+        idle_timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.header_timeout_s = header_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self._head: dict[ClientConnection, float] = {}
-        self._idle: dict[ClientConnection, float] = {}
-        self._closing: dict[ClientConnection, float] = {}
+        self._clock = clock
+        self._head: dict[Waiting, float] = {}
+        self._idle: dict[Waiting, float] = {}
+        self._closing: dict[Waiting, float] = {}
 
-    def expect_head(self, conn: ClientConnection) -> None:
+    def expect_head(self, conn: Waiting) -> None:
         self._idle.pop(conn, None)
         self._head.pop(conn, None)
-        self._head[conn] = time.monotonic() + self.header_timeout_s
+        self._head[conn] = self._clock()
 
-    def head_done(self, conn: ClientConnection) -> None:
+    def head_done(self, conn: Waiting) -> None:
         self._head.pop(conn, None)
 
-    def expect_idle(self, conn: ClientConnection) -> None:
+    def expect_idle(self, conn: Waiting) -> None:
         self._idle.pop(conn, None)
-        self._idle[conn] = time.monotonic() + self.idle_timeout_s
+        self._idle[conn] = self._clock()
 
-    def close_deadline(self, conn: ClientConnection) -> None:
+    def close_deadline(self, conn: Waiting) -> None:
         """A closing connection whose peer does not read gets aborted after a grace period."""
         self._head.pop(conn, None)
         self._idle.pop(conn, None)
-        self._closing[conn] = time.monotonic() + 5.0
+        self._closing[conn] = self._clock()
 
-    def forget(self, conn: ClientConnection) -> None:
+    def forget(self, conn: Waiting) -> None:
         self._head.pop(conn, None)
         self._idle.pop(conn, None)
         self._closing.pop(conn, None)
 
     def sweep(self) -> None:
-        now = time.monotonic()
-        for conn in _expired(self._head, now):
+        now = self._clock()
+        for conn in _expired(self._head, now - self.header_timeout_s):
             conn.head_timed_out()
-        for conn in _expired(self._idle, now):
+        for conn in _expired(self._idle, now - self.idle_timeout_s):
             conn.close()
-        for conn in _expired(self._closing, now):
+        for conn in _expired(self._closing, now - CLOSE_GRACE_S):
             conn.abort()
 
 
-def _expired(deadlines: dict[ClientConnection, float], now: float) -> list[ClientConnection]:
+def _expired(started: dict[Waiting, float], cutoff: float) -> list[Waiting]:
+    """Remove and return the entries whose wait started at or before ``cutoff``."""
     out = []
-    for conn, deadline in deadlines.items():
-        if deadline > now:
+    for conn, start in started.items():
+        if start > cutoff:
             break
         out.append(conn)
     for conn in out:
-        del deadlines[conn]
+        del started[conn]
     return out

@@ -1,0 +1,134 @@
+"""relay.timers.Timers with a fake clock: header, idle and closing deadlines (SPEC §4, §5a),
+and timeouts changed in place by a SIGHUP (relay/reload.py, SPEC §7)."""
+
+from __future__ import annotations
+
+from relay.timers import CLOSE_GRACE_S, Timers
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Conn:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def head_timed_out(self) -> None:
+        self.events.append("head timed out")
+
+    def close(self) -> None:
+        self.events.append("closed")
+
+    def abort(self) -> None:
+        self.events.append("aborted")
+
+
+def _timers() -> tuple[Timers, Clock]:
+    clock = Clock()
+    return Timers(header_timeout_s=10, idle_timeout_s=630, clock=clock), clock
+
+
+def test_deadlines_fire_once_at_their_timeout() -> None:
+    timers, clock = _timers()
+    head, idle, closing, done = Conn(), Conn(), Conn(), Conn()
+    timers.expect_head(head)
+    timers.expect_idle(idle)
+    timers.close_deadline(closing)
+    timers.expect_head(done)
+    timers.head_done(done)
+    clock.now += CLOSE_GRACE_S - 0.5
+    timers.sweep()
+    assert head.events == idle.events == closing.events == []
+    clock.now += 0.5
+    timers.sweep()
+    assert closing.events == ["aborted"]
+    assert head.events == []
+    clock.now = 1000 + 9.5
+    timers.sweep()
+    assert head.events == []
+    clock.now = 1000 + 10
+    timers.sweep()
+    assert head.events == ["head timed out"]
+    assert idle.events == []
+    clock.now = 1000 + 630
+    timers.sweep()
+    timers.sweep()
+    assert head.events == ["head timed out"]
+    assert idle.events == ["closed"]
+    assert closing.events == ["aborted"]
+    assert done.events == []
+
+
+def test_a_new_wait_replaces_the_previous_one() -> None:
+    timers, clock = _timers()
+    conn = Conn()
+    timers.expect_idle(conn)
+    clock.now += 600
+    timers.expect_head(conn)  # a request started: no longer idle
+    clock.now += 31
+    timers.sweep()
+    assert conn.events == ["head timed out"]
+
+
+def test_lowered_idle_timeout_applies_to_new_and_waiting_connections() -> None:
+    timers, clock = _timers()
+    old = Conn()
+    timers.expect_idle(old)  # kept alive before the reload, under 630 s
+    clock.now += 100
+    timers.idle_timeout_s = 5  # SIGHUP lowers listen.idle_timeout_s
+    new = Conn()
+    timers.expect_idle(new)
+    clock.now += 4
+    timers.sweep()
+    assert old.events == ["closed"]  # idle 104 s > 5 s: closed at the first sweep
+    assert new.events == []
+    clock.now += 1
+    timers.sweep()
+    # Not up to 630 s later behind the older entry.
+    assert new.events == ["closed"]
+
+
+def test_lowered_header_timeout_is_not_held_behind_an_older_wait() -> None:
+    timers, clock = _timers()
+    timers.header_timeout_s = 60
+    slow = Conn()
+    timers.expect_head(slow)
+    timers.header_timeout_s = 2
+    fast = Conn()
+    clock.now += 1
+    timers.expect_head(fast)
+    clock.now += 2
+    timers.sweep()
+    assert slow.events == ["head timed out"]
+    assert fast.events == ["head timed out"]
+
+
+def test_raised_timeout_applies_to_waiting_connections() -> None:
+    timers, clock = _timers()
+    conn = Conn()
+    timers.expect_head(conn)
+    timers.header_timeout_s = 30  # SIGHUP raises listen.header_timeout_s
+    clock.now += 29
+    timers.sweep()
+    assert conn.events == []
+    clock.now += 1
+    timers.sweep()
+    assert conn.events == ["head timed out"]
+
+
+def test_closing_grace_does_not_follow_the_configured_timeouts() -> None:
+    timers, clock = _timers()
+    conn = Conn()
+    timers.close_deadline(conn)
+    timers.header_timeout_s = timers.idle_timeout_s = 0.5
+    clock.now += CLOSE_GRACE_S - 0.5
+    timers.sweep()
+    assert conn.events == []
+    clock.now += 0.5
+    timers.sweep()
+    assert conn.events == ["aborted"]
