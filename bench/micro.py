@@ -107,6 +107,9 @@ class FakeSocketTransport:
     def is_closing(self) -> bool:
         return self.closing
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # every write went out
+
     def close(self) -> None:
         self.closing = True
 

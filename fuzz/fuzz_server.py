@@ -126,6 +126,7 @@ class FakeUpstream:
         self.owner: Any = None
         self.uses = 1
         self.closed = False
+        self.write_paused = False  # as UpstreamConnection: never over a high-water mark here
         self.transport = self
         self.pending = 0
         self.upgraded = False

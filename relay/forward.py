@@ -188,7 +188,8 @@ class Exchange(Respond):
             return
         if state is STREAMING:
             conn = self.upstream
-            assert conn is not None
+            if conn is None:
+                return  # the upstream went after its complete response (see upstream_lost)
             assert isinstance(decision, Forward)
             if decision.framing is CHUNKED:
                 conn.writelines([b"%x\r\n" % len(chunk), chunk, CRLF])
@@ -204,8 +205,7 @@ class Exchange(Respond):
         if state is STREAMING:
             decision = self.decision
             assert isinstance(decision, Forward)
-            assert self.upstream is not None
-            if decision.framing is CHUNKED:
+            if decision.framing is CHUNKED and self.upstream is not None:
                 self.upstream.write(LAST_CHUNK)
             if self.response_complete:
                 self._finish()
@@ -271,11 +271,20 @@ class Exchange(Respond):
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
-        if self.state is STREAMING and not self.response_complete:
+        if self.state is not STREAMING:
+            return
+        if not self.response_complete:
             if self._retry_on_a_fresh_connection():
                 return
             self.reason = self.reason or ("upstream_reset" if exc else "upstream_eof")
             self.cut(failures.closed_early(self.decision))
+        elif not self.request_complete:
+            # The response is complete (an early answer, or one to HEAD) but the request body
+            # is still arriving, with nowhere to go now: as in response_end, neither
+            # connection can be kept, and the exchange ends.
+            self.keep_alive = False
+            self.request_complete = True
+            self._finish()
 
     def _retry_on_a_fresh_connection(self) -> bool:
         """A pooled connection the upstream closed just as it was reused: send again, once.

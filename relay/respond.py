@@ -177,13 +177,21 @@ class Respond:
         relay.unregister(self)
         conn, self.upstream = self.upstream, None
         if conn is not None and not upgraded:
-            reusable = (
-                self._upstream_keepalive
-                and self.response_complete
-                and self.request_complete
-                and self.head.method != b"HEAD"
-                and not (isinstance(self.decision, Forward) and self.decision.websocket)
-            )
+            if conn.write_paused:
+                # The upstream answered without reading the request (its buffer is full):
+                # not reused with those bytes in front of the next request, and the client,
+                # paused for that buffer, is read again (the connection's resume_writing
+                # will not come to this exchange any more).
+                reusable = False
+                self.client.resume(PAUSE_UPSTREAM_FULL)
+            else:
+                reusable = (
+                    self._upstream_keepalive
+                    and self.response_complete
+                    and self.request_complete
+                    and self.head.method != b"HEAD"
+                    and not (isinstance(self.decision, Forward) and self.decision.websocket)
+                )
             if reusable and reader is not None and reader.feeding:
                 conn.owner = None
                 reader.release_after_feed(conn, relay.pool)  # see ResponseReader._release
@@ -217,6 +225,10 @@ class Respond:
                 self.status = 0
                 self.response_malformed("upstream: unsolicited 101")
                 return -1
+            if not header_rules.accepts_websocket(headers):
+                self.status = 0
+                self.response_malformed("upstream: 101 without Upgrade: websocket")
+                return -1
             self._out.append(responses.upgrade_head(reason, headers))
             return -1
         plan = responses.plan_response(
@@ -228,6 +240,10 @@ class Respond:
             self.keep_alive,
             decision.websocket,
         )
+        if plan.unrelayable:
+            self.status = 0
+            self.response_malformed(plan.unrelayable)
+            return -1
         self._client_framing = plan.framing
         self.keep_alive = plan.keep_alive
         if plan.connect_stream:

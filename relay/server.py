@@ -46,6 +46,7 @@ class ClientConnection(asyncio.Protocol):
         "_paused",
         "_refusal",
         "_stalled",
+        "_starting",
         "_url",
         "active",
         "closing",
@@ -77,6 +78,7 @@ class ClientConnection(asyncio.Protocol):
         self._stalled = 0  # bytes fed since llhttp last delivered any of those
         self._paused = 0
         self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
+        self._starting = False  # exchange_finished is starting queued exchanges
         self.write_paused = False
         self.active: Exchange | None = None  # the exchange whose response is being written
         self.receiving: Exchange | None = None  # the exchange whose body is being parsed
@@ -288,12 +290,23 @@ class ClientConnection(asyncio.Protocol):
         if not keep_alive or self.closing or (self.parser is None and self._refusal is None):
             self.close()
             return
+        if self._starting:
+            return  # finished within start() below: the loop there starts the next one
         if self.queue:
-            self.active = self.queue.popleft()
-            if not self.queue:
-                self.resume(PAUSE_QUEUE)
-            self.active.start()
-            return
+            # A loop, not a call per queued exchange: an exchange relay answers itself
+            # finishes inside its own start(), and thousands of pipelined refusals would
+            # otherwise nest start → answer → finish → start ... past the recursion limit.
+            self._starting = True
+            try:
+                while self.queue and self.active is None and not self.closing:
+                    self.active = self.queue.popleft()
+                    if not self.queue:
+                        self.resume(PAUSE_QUEUE)
+                    self.active.start()
+            finally:
+                self._starting = False
+            if self.active is not None or self.closing:
+                return
         if self._refusal is not None:
             self.refuse(self._refusal)  # every earlier request is answered: now the refusal
             return

@@ -58,7 +58,17 @@ class DialObserver(Protocol):
 
 
 class UpstreamConnection(asyncio.Protocol):
-    __slots__ = ("closed", "idle_since", "key", "owner", "pool", "reader", "transport", "uses")
+    __slots__ = (
+        "closed",
+        "idle_since",
+        "key",
+        "owner",
+        "pool",
+        "reader",
+        "transport",
+        "uses",
+        "write_paused",
+    )
 
     def __init__(self, pool: Pool, key: PoolKey) -> None:
         self.pool = pool
@@ -67,6 +77,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.owner: Owner | None = None
         self.idle_since = 0.0
         self.closed = False
+        self.write_paused = False  # the transport's buffer is over its high-water mark
         self.uses = 0
         # llhttp's reader of this connection's responses, made by its first exchange and
         # handed from one exchange to the next (relay.forward.Exchange._attach): responses on
@@ -105,10 +116,12 @@ class UpstreamConnection(asyncio.Protocol):
         self.drop_reader()
 
     def pause_writing(self) -> None:
+        self.write_paused = True
         if self.owner is not None:
             self.owner.upstream_pause_writing()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         if self.owner is not None:
             self.owner.upstream_resume_writing()
 
@@ -130,10 +143,22 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
+        """Close once what was written has gone out, or at once if the upstream is not reading.
+
+        relay closes an upstream connection only when nothing more has to reach the upstream
+        (the exchange is over or cut, an idle connection expired). Bytes still queued then
+        belong to a request the upstream stopped reading (it answered early, or hangs), and
+        ``transport.close()`` would wait for them forever: uvloop has no close timeout, so the
+        socket and its buffer would stay until the upstream reads. Those are aborted (RST).
+        """
         self.pool.outbox.flush()  # what was written before the close goes out before it
-        if self.transport is not None and not self.closed:
+        transport = self.transport
+        if transport is not None and not self.closed:
             self.closed = True
-            self.transport.close()
+            if transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
         self.drop_reader()
 
     def abort(self) -> None:

@@ -9,8 +9,6 @@ client's EOF go out before it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,69 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.config import parse
-from relay.core.model import Route
 from relay.outbox import BUSY, MAX_HELD, SMALL, Outbox
-from relay.runtime import Relay
-from relay.server import ClientConnection
-from relay.upstreams import PoolKey, UpstreamConnection
-
-DOMAIN = "sandbox.test"
-
-
-class Recorder:
-    """A transport that records what happens to it, in order."""
-
-    def __init__(self, peer: tuple[str, int] = ("127.0.0.1", 40000)) -> None:
-        self.peer = peer
-        self.events: list[tuple[str, bytes]] = []
-        self.closing = False
-
-    @property
-    def data(self) -> bytes:
-        return b"".join(data for kind, data in self.events if kind == "write")
-
-    def write(self, data: bytes) -> None:
-        assert not self.closing, "written after close"
-        self.events.append(("write", bytes(data)))
-
-    def writelines(self, parts: list[bytes]) -> None:
-        self.write(b"".join(parts))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-        self.events.append(("close", b""))
-
-    def abort(self) -> None:
-        self.closing = True
-        self.events.append(("abort", b""))
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.peer if name == "peername" else default
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-class Turns:
-    """``loop.call_soon`` as the outbox uses it: callbacks run when the turn ends."""
-
-    def __init__(self) -> None:
-        self.pending: list[Callable[[], None]] = []
-
-    def __call__(self, callback: Callable[[], None]) -> None:
-        self.pending.append(callback)
-
-    def end(self) -> None:
-        while self.pending:
-            self.pending.pop(0)()
-
+from tests.support.wired import REQUEST, RESPONSE, Recorder, Turns, Wired, make_wired
 
 # -- the Outbox alone ---------------------------------------------------------------------------
 
@@ -209,39 +146,10 @@ def test_each_transport_gets_exactly_what_was_written_before_its_close(
 
 # -- relay's protocols ------------------------------------------------------------------------
 
-REQUEST = f"GET /x HTTP/1.1\r\nHost: 3000-sbx.{DOMAIN}\r\n\r\n".encode()
-RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-
-
-@dataclass
-class Wired:
-    relay: Relay
-    turns: Turns
-    client: ClientConnection
-    client_transport: Recorder
-    upstream: UpstreamConnection
-    upstream_transport: Recorder
-
 
 @pytest.fixture
 def wired(tmp_path: Path) -> Wired:
-    """A relay whose outbox is bound to a hand-run turn, a client connection and one pooled
-    upstream connection to the sandbox's port 3000, all on recording transports."""
-    (tmp_path / "routes.json").write_text('{"routes": []}')
-    relay = Relay(
-        parse({"routing": {"domains": [DOMAIN]}, "routes": {"file": "routes.json"}}, tmp_path)
-    )
-    relay.install_routes({"sbx": Route(sandbox_id="sbx", address="127.0.0.1", insecure=True)}, "t")
-    turns = Turns()
-    relay.outbox.bind(turns, busy=0)  # every small write held
-    upstream = UpstreamConnection(relay.pool, PoolKey("sbx", 0, "127.0.0.1", 3000))
-    upstream_transport = Recorder(("127.0.0.1", 3000))
-    upstream.connection_made(upstream_transport)  # type: ignore[arg-type]
-    relay.pool.release(upstream)
-    client = ClientConnection(relay, tls=False)
-    client_transport = Recorder()
-    client.connection_made(client_transport)  # type: ignore[arg-type]
-    return Wired(relay, turns, client, client_transport, upstream, upstream_transport)
+    return make_wired(tmp_path)
 
 
 def test_an_exchange_writes_at_the_end_of_each_turn(wired: Wired) -> None:

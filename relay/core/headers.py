@@ -73,6 +73,19 @@ def connection_tokens(values: list[bytes] | None) -> frozenset[bytes]:
     )
 
 
+def accepts_websocket(headers: Headers) -> bool:
+    """A 101 that completes a WebSocket handshake names it: ``Upgrade: websocket`` and
+    ``Connection: upgrade`` (RFC 6455 §4.1, the client's checks of the server's answer).
+
+    relay writes the 101 with its own spelling of these hop-by-hop fields, so it checks them
+    itself: a 101 without them is not a WebSocket and is answered 502 instead of being passed
+    on looking like one.
+    """
+    fields = index(headers)
+    upgrade = {t.strip().lower() for v in fields.get(b"upgrade", ()) for t in v.split(b",")}
+    return b"websocket" in upgrade and b"upgrade" in connection_tokens(fields.get(b"connection"))
+
+
 def repeated_singleton(fields: dict[bytes, list[bytes]]) -> bytes | None:
     for name in SINGLETONS:
         values = fields.get(name)

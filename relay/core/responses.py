@@ -35,6 +35,7 @@ class ResponsePlan:
     connect_stream: bool  # a chunked Connect server stream: follow its envelopes
     ends_at_head: bool  # the response to HEAD: no body follows its head
     length: int = -1  # the body's Content-Length when framing is LENGTH
+    unrelayable: str = ""  # why the response cannot be relayed (answered 502), if it cannot
 
 
 def status_line(status: int, reason: bytes) -> bytes:
@@ -150,6 +151,19 @@ def _plan(
     elif length is not None and b"transfer-encoding" not in seen:
         framing = Framing.LENGTH
         out.append((b"Content-Length", length))
+    elif b"transfer-encoding" in seen and not only_chunked(headers):
+        # RFC 9112 §6.3: with a final coding other than chunked the body runs to the close,
+        # still in that coding. relay drops Transfer-Encoding (hop-by-hop) and would hand the
+        # client coded bytes it cannot tell apart from the content: refused, as SPEC §5a
+        # refuses such a request.
+        return ResponsePlan(
+            head=b"",
+            framing=Framing.NONE,
+            keep_alive=False,
+            connect_stream=False,
+            ends_at_head=False,
+            unrelayable="upstream: Transfer-Encoding other than chunked",
+        )
     elif client_version == "1.1":
         framing = Framing.CHUNKED
         out.append((b"Transfer-Encoding", b"chunked"))
@@ -175,6 +189,18 @@ def _plan(
         # llhttp admitted the value: digits only, one value (a list of equal values included).
         length=int(length.split(b",")[0]) if framing is Framing.LENGTH and length else -1,
     )
+
+
+def only_chunked(headers: Headers) -> bool:
+    """The response's transfer codings, over all its Transfer-Encoding fields, are exactly
+    ``chunked`` (RFC 9112 §6.1): the only coding relay decodes and re-applies."""
+    codings = [
+        coding.strip().lower()
+        for name, value in headers
+        if name.lower() == b"transfer-encoding"
+        for coding in value.split(b",")
+    ]
+    return codings == [b"chunked"]
 
 
 def interim_head(status: int, reason: bytes, headers: Headers) -> bytes:

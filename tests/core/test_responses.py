@@ -146,3 +146,26 @@ def test_status_lines_remembered_only_for_short_reasons(monkeypatch: pytest.Monk
     long = b"R" * 65
     assert status_line(299, long) == b"HTTP/1.1 299 " + long + b"\r\n"
     assert status_line(299, long) is not status_line(299, long)
+
+
+@pytest.mark.parametrize(
+    ("fields", "relayable"),
+    [
+        (((b"Transfer-Encoding", b"chunked"),), True),
+        (((b"transfer-encoding", b" Chunked "),), True),
+        (((b"Transfer-Encoding", b"gzip"),), False),
+        (((b"Transfer-Encoding", b"gzip, chunked"),), False),
+        (((b"Transfer-Encoding", b"chunked, gzip"),), False),
+        (((b"Transfer-Encoding", b"gzip"), (b"Transfer-Encoding", b"chunked")), False),
+        (((b"Transfer-Encoding", b"chunked"), (b"Transfer-Encoding", b"chunked")), False),
+    ],
+)
+def test_only_a_chunked_transfer_coding_is_relayed(
+    fields: tuple[tuple[bytes, bytes], ...], relayable: bool
+) -> None:
+    """RFC 9112 §6.1/§6.3: relay drops Transfer-Encoding and re-frames; any coding but a
+    single chunked would reach the client still coded, unannounced (answered 502)."""
+    got = plan(fields)
+    assert (got.unrelayable == "") is relayable
+    assert (got.framing is Framing.CHUNKED) is relayable
+    assert plan(fields, method=b"HEAD").unrelayable == ""  # no body follows: nothing to decode

@@ -1,0 +1,142 @@
+"""Peers that stop, vanish or answer early, on relay's protocols wired to recording transports.
+
+Each case is one found by review, where a connection (and its socket, buffers and exchange)
+could stay open for ever or relay hit a bug: an upstream that answers a POST without reading
+its body, one that resets after answering a HEAD that had a body, a 101 or a transfer coding
+relay cannot relay, thousands of pipelined requests relay answers itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from relay.flow import PAUSE_UPSTREAM_FULL
+from relay.upstreams import PoolKey, UpstreamConnection
+from tests.support.wired import DOMAIN, RESPONSE, Recorder, Wired, make_wired
+
+HOST = f"3000-sbx.{DOMAIN}"
+
+
+@pytest.fixture
+def wired(tmp_path: Path) -> Wired:
+    return make_wired(tmp_path)
+
+
+def post(body: bytes, method: str = "POST") -> bytes:
+    head = f"{method} /up HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def test_an_upstream_that_answered_without_reading_leaves_the_client_readable(
+    wired: Wired,
+) -> None:
+    """The whole body is read from the client but sits in the upstream's full write buffer
+    when the response ends: the client must be read again (its next request would otherwise
+    wait for the 630 s idle timeout) and the upstream connection is not pooled with another
+    request's bytes stuck in front of it."""
+    wired.client.data_received(post(b"x" * 100))
+    wired.turns.end()
+    wired.upstream_transport.buffered = 100  # the upstream stopped reading...
+    wired.upstream.pause_writing()  # ...and the transport crossed its high-water mark
+    assert [wired.client_transport.reading] == [False]  # a list: mypy keeps no narrowing
+    wired.upstream.data_received(RESPONSE)
+    wired.turns.end()
+    assert wired.client_transport.data.endswith(b"\r\n\r\nok")
+    assert wired.client_transport.reading
+    assert not wired.client._paused & PAUSE_UPSTREAM_FULL
+    assert wired.relay.pool.idle_count() == 0
+    assert wired.upstream_transport.events[-1] == ("abort", b"")
+
+
+@pytest.mark.parametrize(("buffered", "end"), [(0, "close"), (1, "abort")])
+def test_an_upstream_connection_is_aborted_when_its_bytes_cannot_go_out(
+    wired: Wired, buffered: int, end: str
+) -> None:
+    """transport.close() waits for the write buffer to drain, for ever if the upstream never
+    reads: relay's close aborts a connection with bytes still queued."""
+    conn = UpstreamConnection(wired.relay.pool, PoolKey("sbx", 0, "127.0.0.1", 3000))
+    transport = Recorder(("127.0.0.1", 3000))
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    transport.buffered = buffered
+    conn.close()
+    assert transport.events == [(end, b"")]
+
+
+def test_head_with_a_body_and_an_upstream_reset_ends_cleanly(
+    wired: Wired, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The response to HEAD is complete at its head while the body still arrives; the upstream
+    then resets. The rest of the body has nowhere to go: the exchange ends, no internal error."""
+    head = f"HEAD /h HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 10\r\n\r\n".encode()
+    wired.client.data_received(head + b"12345")
+    wired.turns.end()
+    wired.upstream.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+    wired.turns.end()
+    with caplog.at_level(logging.ERROR):
+        wired.upstream.connection_lost(ConnectionResetError())
+        wired.client.data_received(b"67890")
+        wired.turns.end()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert wired.client_transport.data.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert not wired.relay.live  # the exchange is over
+    assert wired.client.closing
+
+
+def test_thousands_of_pipelined_answers_do_not_nest(wired: Wired) -> None:
+    """Requests relay answers itself finish inside their own start: queued behind a forwarded
+    one, each would start the next from within the last (3,000 deep: RecursionError). All are
+    answered, in order, and the connection stays open for more."""
+    refused = b"GET /r HTTP/1.1\r\nHost: nowhere.example\r\n\r\n"
+    wired.client.data_received(
+        f"GET /first HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode() + refused * 3000
+    )
+    wired.turns.end()
+    wired.upstream.data_received(RESPONSE)
+    wired.turns.end()
+    data = wired.client_transport.data
+    assert data.count(b"HTTP/1.1 ") == 3001
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert not wired.client.closing
+    assert wired.client_transport.reading
+    assert not wired.client.queue
+
+
+HANDSHAKE = (
+    f"GET /ws HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+).encode()
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        (b"", b"502"),
+        (b"Upgrade: websocket\r\n", b"502"),
+        (b"Connection: upgrade\r\n", b"502"),
+        (b"Connection: upgrade\r\nUpgrade: h2c\r\n", b"502"),
+        (b"Connection: keep-alive, Upgrade\r\nUpgrade: WebSocket\r\n", b"101"),
+    ],
+    ids=["bare", "no-connection", "no-upgrade", "other-protocol", "valid"],
+)
+def test_a_101_must_name_the_websocket_upgrade(wired: Wired, fields: bytes, status: bytes) -> None:
+    """RFC 6455 §4.1: a handshake answer without ``Upgrade: websocket`` and ``Connection:
+    upgrade`` fails. relay writes those fields in its own spelling, so it must not turn a bare
+    101 into one that looks valid: it answers 502."""
+    wired.client.data_received(HANDSHAKE)
+    wired.turns.end()
+    wired.upstream.data_received(b"HTTP/1.1 101 Switching Protocols\r\n" + fields + b"\r\n")
+    wired.turns.end()
+    assert wired.client_transport.data.startswith(b"HTTP/1.1 " + status + b" ")
+
+
+def test_a_response_in_a_transfer_coding_relay_cannot_decode_is_a_502(wired: Wired) -> None:
+    wired.client.data_received(f"GET /gz HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    wired.turns.end()
+    wired.upstream.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n\x1f\x8b")
+    wired.turns.end()
+    assert wired.client_transport.data.startswith(b"HTTP/1.1 502 ")
+    assert b"\x1f\x8b" not in wired.client_transport.data
+    assert wired.upstream_transport.closing
