@@ -116,6 +116,9 @@ class FakeSocketTransport:
     def abort(self) -> None:
         self.closing = True
 
+    def can_write_eof(self) -> bool:
+        return False
+
     def pause_reading(self) -> None:
         pass
 

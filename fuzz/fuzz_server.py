@@ -92,6 +92,9 @@ class FakeTransport:
     def abort(self) -> None:
         self.closed = True
 
+    def can_write_eof(self) -> bool:
+        return False
+
     def pause_reading(self) -> None:
         pass
 

@@ -11,7 +11,8 @@ all parse errors, answered 400 and the connection closed.
 Flow per connection: ``data_received`` → llhttp → ``on_headers_complete`` makes a
 :class:`~relay.forward.Exchange` and, when no earlier exchange is still running, starts it.
 Pipelined requests (RFC 9112 §9.3.2) wait in a queue, reading is paused meanwhile, and they
-are answered in order.
+are answered in order. How a connection ends (refusals, the lingering close, aborts) is the
+other half of the class, :class:`relay.closing.Closing`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from relay.core.answers import answer_bytes, render
+from relay.closing import Closing
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_QUEUE, PAUSE_UPGRADE
 from relay.forward import Exchange
@@ -36,30 +37,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.server")
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(Closing, asyncio.Protocol):
     __slots__ = (
         "_head_bytes",
-        "_head_raw",
         "_headers",
         "_in_head",
         "_moved",
-        "_paused",
-        "_refusal",
         "_stalled",
         "_starting",
         "_url",
-        "active",
-        "closing",
         "overloaded",
-        "parser",
-        "peer",
-        "queue",
-        "receiving",
-        "relay",
         "requests",
         "splice",
         "tls",
-        "transport",
         "write_paused",
     )
 
@@ -74,6 +64,8 @@ class ClientConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._head_raw = 0
         self._in_head = False
+        self._mid_message = False  # llhttp is inside a request (head or body)
+        self._lingering = 0.0  # time.monotonic() when a lingering close began (close())
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
         self._stalled = 0  # bytes fed since llhttp last delivered any of those
         self._paused = 0
@@ -110,7 +102,11 @@ class ClientConnection(asyncio.Protocol):
             return
         parser = self.parser
         if parser is None or self.closing:
-            return  # after an upgrade handshake or a refusal: nothing more is parsed
+            # After an upgrade handshake or a refusal nothing more is parsed; a lingering
+            # close reads on (and drops) what the client still sends.
+            if self._lingering:
+                self._still_sending()
+            return
         if self._in_head or self.active is None:
             self._head_raw += len(data)
         self._moved = False
@@ -118,6 +114,7 @@ class ClientConnection(asyncio.Protocol):
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             self.parser = None
+            self._mid_message = False  # what follows the handshake is not HTTP
             self._upgrade_requested(data[upgrade.args[0] :])
             return
         except httptools.HttpParserCallbackError as exc:
@@ -150,8 +147,21 @@ class ClientConnection(asyncio.Protocol):
         # Over TLS asyncio closes the connection at EOF whatever this returns (a half-closed
         # TLS stream cannot carry the rest of a response), so only plain TCP keeps it.
         self.relay.outbox.flush()  # uvloop closes the transport on False: held bytes first
-        if self.active is None or self.tls:
+        self._mid_message = False  # the client sends nothing more: no lingering needed
+        if self.receiving is not None and not self.closing:
+            # RFC 9112 §6.3/§8: a request body cut short by the client's FIN can never be
+            # completed; the upstream would wait for the rest for ever.
+            self._unparseable(
+                Reject(
+                    reason=Reason.BAD_REQUEST,
+                    detail="Incomplete request body: the client closed its side",
+                )
+            )
+        transport = self.transport
+        if self.active is None or self.tls or transport is None or transport.is_closing():
             return False
+        if self._lingering:
+            return False  # the answer went out before the linger began
         self.closing = True
         return True
 
@@ -161,12 +171,15 @@ class ClientConnection(asyncio.Protocol):
         self.relay.release_connection(self)
         if self.splice is not None:
             self.splice.client_lost()
+        self._end_exchanges()
+        self.parser = None
+
+    def _end_exchanges(self) -> None:
         for exchange in (self.active, *self.queue):
             if exchange is not None:
                 exchange.client_lost()
         self.active = None
         self.queue.clear()
-        self.parser = None
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -190,6 +203,7 @@ class ClientConnection(asyncio.Protocol):
         self._headers = []
         self._head_bytes = 0
         self._in_head = True
+        self._mid_message = True
         if self.requests:
             self._head_raw = 0
             self.relay.timers.expect_head(self)  # SPEC §5a: from the first byte of a request
@@ -251,6 +265,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._moved = True
+        self._mid_message = False
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
             receiving.request_done()
@@ -314,44 +329,6 @@ class ClientConnection(asyncio.Protocol):
         if not self._in_head:
             self.relay.timers.expect_idle(self)
 
-    def exchange_cut(self, exchange: object) -> None:
-        """The active exchange ended without a clean end: the client must see it."""
-        if exchange is self.active:
-            self.active = None
-        self.close()
-
-    def refuse(self, reject: Reject, *, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-        """Answer a request relay could not even parse or admit, then close."""
-        self.closing = True
-        self.relay.observer.connection_refused(reject, self.peer)
-        self.write(answer_bytes(render(reject, headers), close=True))
-        self.close()
-
-    def close(self) -> None:
-        self.relay.outbox.flush()  # what was written before the close goes out before it
-        self.closing = True
-        self.parser = None
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
-            self.relay.timers.close_deadline(self)
-
-    def abort(self) -> None:
-        self.relay.outbox.flush()
-        self.closing = True
-        if self.transport is not None:
-            self.transport.abort()
-
-    def head_timed_out(self) -> None:
-        """``listen.header_timeout_s`` passed without a complete request head (slowloris)."""
-        if self.active is not None:
-            # A pipelined head trickling in behind a long response: the response may run
-            # for hours (a command stream), so only the head's own wait is restarted.
-            self.relay.timers.expect_head(self)
-        elif self._head_raw:
-            self.refuse(Reject(reason=Reason.HEADER_TIMEOUT))
-        else:
-            self.close()  # nothing was sent: just close
-
     def start_splice(self, splice: Splice) -> None:
         self.splice = splice
         self.active = None
@@ -372,47 +349,3 @@ class ClientConnection(asyncio.Protocol):
             return
         self.pause(PAUSE_UPGRADE)
         exchange.client_tail(tail)
-
-    def internal_error(self, exc: BaseException) -> None:
-        """Log a bug with its traceback (never to the client) and end the connection."""
-        log.error("internal error on a client connection", exc_info=exc)
-        if self.active is None or not self.active.response_started():
-            self.refuse(Reject(reason=Reason.INTERNAL))
-        else:
-            self.abort()
-
-    def _parse_error(self, exc: Exception) -> None:
-        detail = str(exc) or type(exc).__name__
-        if isinstance(exc, httptools.HttpParserInvalidMethodError):
-            detail = "Invalid HTTP method"
-        elif isinstance(exc, httptools.HttpParserInvalidURLError):
-            detail = "Invalid request target"
-        self._unparseable(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
-
-    def _unparseable(self, reject: Reject) -> None:
-        """Nothing more can be parsed from this connection: refuse, in order, then close.
-
-        Responses go out in request order (RFC 9112 §9.3.2): a refusal found while earlier
-        pipelined requests are still being answered waits for them, so that it is never taken
-        for the answer to one of them.
-        """
-        broken, self.receiving = self.receiving, None
-        if self.closing:
-            return  # already answered (at its head, in this same read) and closing
-        active = self.active
-        if active is not None and broken is active:
-            # The active request's own body is malformed: it cannot be completed.
-            if active.answered():
-                self.close()  # its answer is written; let it flush
-            elif active.response_started():
-                self.abort()
-            else:
-                self.refuse(reject)
-            return
-        if broken is not None and broken in self.queue:
-            self.queue.remove(broken)  # a queued request's body: it never started
-        if active is None:
-            self.refuse(reject)
-            return
-        self.parser = None
-        self._refusal = reject

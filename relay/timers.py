@@ -72,6 +72,7 @@ class Timers:
         """A closing connection whose peer does not read gets aborted after a grace period."""
         self._head.pop(conn, None)
         self._idle.pop(conn, None)
+        self._closing.pop(conn, None)  # restarted (a lingering close): to the end of the order
         self._closing[conn] = self._clock()
 
     def forget(self, conn: Waiting) -> None:

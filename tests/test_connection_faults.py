@@ -3,7 +3,9 @@
 Each case is one found by review, where a connection (and its socket, buffers and exchange)
 could stay open for ever or relay hit a bug: an upstream that answers a POST without reading
 its body, one that resets after answering a HEAD that had a body, a 101 or a transfer coding
-relay cannot relay, thousands of pipelined requests relay answers itself.
+relay cannot relay, a client that half-closes in the middle of its body, thousands of
+pipelined requests relay answers itself. The real-socket side of lingering closes is in
+``tests/test_lingering.py``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,22 @@ def test_head_with_a_body_and_an_upstream_reset_ends_cleanly(
     assert wired.client_transport.data.startswith(b"HTTP/1.1 200 OK\r\n")
     assert not wired.relay.live  # the exchange is over
     assert wired.client.closing
+
+
+def test_a_half_close_in_the_middle_of_a_body_ends_the_exchange(wired: Wired) -> None:
+    """RFC 9112 §8: a body cut short by the client's FIN can never complete. relay answers
+    400 (no response had started) and closes both connections, instead of leaving the
+    upstream waiting for the rest."""
+    wired.client.data_received(post(b"x" * 100)[:-95])
+    wired.turns.end()
+    assert wired.client.eof_received() is False
+    wired.turns.end()
+    assert wired.client_transport.data.startswith(b"HTTP/1.1 400 ")
+    assert b"Incomplete request body" in wired.client_transport.data
+    assert wired.client_transport.closing
+    wired.client.connection_lost(None)  # what uvloop reports once the close is done
+    assert wired.upstream_transport.closing
+    assert not wired.relay.live
 
 
 def test_thousands_of_pipelined_answers_do_not_nest(wired: Wired) -> None:

@@ -56,6 +56,12 @@ class Recorder:
         self.closing = True
         self.events.append(("abort", b""))
 
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.events.append(("eof", b""))
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self.peer if name == "peername" else default
 

@@ -1,0 +1,186 @@
+"""How a client connection ends: refusals, closes (lingering when mid-request) and aborts.
+
+:class:`Closing` holds the methods of :class:`relay.server.ClientConnection` that end a
+connection or answer what cannot be served: relay's own refusal of a request it could not
+parse or admit, the orderly close after the last answer (with a lingering close when the
+client may still be sending, RFC 9112 §9.6), the abort, the header timeout, and what a parse
+error or a bug in a callback leads to. ``relay.server`` keeps the rest: reading requests with
+llhttp, starting exchanges in order, flow control and writes.
+
+Why a base class and not an object of its own: both halves read and write the same fields of
+the one connection; the annotations below are those fields, and ``ClientConnection`` owns
+their slots and sets them (as ``relay.respond.Respond`` does for an exchange).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import httptools
+
+from relay.core.answers import answer_bytes, render
+from relay.core.model import Reason, Reject
+
+if TYPE_CHECKING:
+    from relay.forward import Exchange
+    from relay.runtime import Relay
+
+log = logging.getLogger("relay.server")
+
+# Lingering close (Closing.close), as nginx's lingering_time: the wait between two reads is
+# the closing grace of relay.timers (CLOSE_GRACE_S, nginx's lingering_timeout).
+LINGER_TOTAL_S = 30.0
+
+
+class Closing:
+    """The ending half of a client connection (see the module docstring)."""
+
+    # The fields both halves use (ClientConnection sets them in __init__ and adds its own).
+    __slots__ = (
+        "_head_raw",
+        "_lingering",
+        "_mid_message",
+        "_paused",
+        "_refusal",
+        "active",
+        "closing",
+        "parser",
+        "peer",
+        "queue",
+        "receiving",
+        "relay",
+        "transport",
+    )
+
+    relay: Relay
+    transport: asyncio.Transport | None
+    parser: httptools.HttpRequestParser | None
+    peer: str
+    closing: bool
+    active: Exchange | None
+    receiving: Exchange | None
+    queue: deque[Exchange]
+    _refusal: Reject | None
+    _head_raw: int
+    _paused: int
+    _mid_message: bool
+    _lingering: float
+
+    def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _end_exchanges(self) -> None:
+        raise NotImplementedError
+
+    def exchange_cut(self, exchange: object) -> None:
+        """The active exchange ended without a clean end: the client must see it."""
+        if exchange is self.active:
+            self.active = None
+        self.close()
+
+    def refuse(self, reject: Reject, *, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Answer a request relay could not even parse or admit, then close."""
+        self.closing = True
+        self.relay.observer.connection_refused(reject, self.peer)
+        self.write(answer_bytes(render(reject, headers), close=True))
+        self.close()
+
+    def close(self) -> None:
+        """Close once the answer is written; linger first if the client is mid-request.
+
+        Closing a socket with unread bytes in it makes the kernel send a reset, which can
+        destroy the answer before the client reads it (RFC 9112 §9.6): a client that sends
+        a whole upload before reading (most do) would see "connection reset" instead of
+        the 401 or 413 it was answered. So when relay closes in the middle of a request
+        (an early answer, a refused head, a body past the discard limit) it first lingers,
+        as nginx's ``lingering_close`` does: it half-closes (FIN after the answer, on plain
+        TCP) and keeps reading and dropping what the client sends, for up to ``CLOSE_GRACE_S``
+        between reads and LINGER_TOTAL_S in all, until the client closes its side.
+        """
+        self.relay.outbox.flush()  # what was written before the close goes out before it
+        self.closing = True
+        self.parser = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._mid_message and not self._lingering:
+            self._mid_message = False
+            self._lingering = time.monotonic()
+            self._end_exchanges()  # nothing more is written after the answer
+            if transport.can_write_eof():
+                transport.write_eof()  # the client sees the close at once (a TCP FIN)
+            self._paused = 0
+            transport.resume_reading()
+        else:
+            transport.close()
+        self.relay.timers.close_deadline(self)
+
+    def _still_sending(self) -> None:
+        """Lingering: the client is still sending. Wait on, within LINGER_TOTAL_S."""
+        if time.monotonic() - self._lingering < LINGER_TOTAL_S:
+            self.relay.timers.close_deadline(self)  # restarts the wait (CLOSE_GRACE_S)
+
+    def abort(self) -> None:
+        self.relay.outbox.flush()
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def head_timed_out(self) -> None:
+        """``listen.header_timeout_s`` passed without a complete request head (slowloris)."""
+        if self.active is not None:
+            # A pipelined head trickling in behind a long response: the response may run
+            # for hours (a command stream), so only the head's own wait is restarted.
+            self.relay.timers.expect_head(self)
+        elif self._head_raw:
+            self.refuse(Reject(reason=Reason.HEADER_TIMEOUT))
+        else:
+            self.close()  # nothing was sent: just close
+
+    def internal_error(self, exc: BaseException) -> None:
+        """Log a bug with its traceback (never to the client) and end the connection."""
+        log.error("internal error on a client connection", exc_info=exc)
+        if self.active is None or not self.active.response_started():
+            self.refuse(Reject(reason=Reason.INTERNAL))
+        else:
+            self.abort()
+
+    def _parse_error(self, exc: Exception) -> None:
+        detail = str(exc) or type(exc).__name__
+        if isinstance(exc, httptools.HttpParserInvalidMethodError):
+            detail = "Invalid HTTP method"
+        elif isinstance(exc, httptools.HttpParserInvalidURLError):
+            detail = "Invalid request target"
+        self._unparseable(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
+
+    def _unparseable(self, reject: Reject) -> None:
+        """Nothing more can be parsed from this connection: refuse, in order, then close.
+
+        Responses go out in request order (RFC 9112 §9.3.2): a refusal found while earlier
+        pipelined requests are still being answered waits for them, so that it is never taken
+        for the answer to one of them.
+        """
+        broken, self.receiving = self.receiving, None
+        if self.closing:
+            return  # already answered (at its head, in this same read) and closing
+        active = self.active
+        if active is not None and broken is active:
+            # The active request's own body is malformed: it cannot be completed.
+            if active.answered():
+                self.close()  # its answer is written; let it flush
+            elif active.response_started():
+                self.abort()
+            else:
+                self.refuse(reject)
+            return
+        if broken is not None and broken in self.queue:
+            self.queue.remove(broken)  # a queued request's body: it never started
+        if active is None:
+            self.refuse(reject)
+            return
+        self.parser = None
+        self._refusal = reject

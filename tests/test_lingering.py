@@ -1,0 +1,116 @@
+"""Early answers to large uploads reach clients that send their whole body before reading.
+
+Closing a socket with unread bytes makes the kernel reset the connection, and a reset can
+destroy an answer the client has not read yet (RFC 9112 §9.6). relay therefore lingers
+when it closes in the middle of a request: it half-closes after its answer and drops what
+the client still sends (``ClientConnection.close``). Real sockets, a real relay in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from relay import closing
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+
+SIZE = 8 * 1024 * 1024  # several times what the kernel buffers on loopback
+BLOCK = b"u" * 65536
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def scripted_upstream(handler: Handler) -> AsyncIterator[int]:
+    server_ = await asyncio.start_server(handler, "127.0.0.1", 0)
+    try:
+        yield server_.sockets[0].getsockname()[1]
+    finally:
+        server_.close()
+
+
+async def upload_then_read(port: int, host: str, headers: str = "") -> tuple[bytes, bool]:
+    """Send a whole SIZE-byte upload, then read: what a client that reads only after
+    sending gets (the answer, and whether relay closed), or raises on a reset."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        head = f"POST /files?path=/big HTTP/1.1\r\nHost: {host}\r\n{headers}"
+        writer.write(f"{head}Content-Length: {SIZE}\r\n\r\n".encode())
+        for _ in range(SIZE // len(BLOCK)):
+            writer.write(BLOCK)
+            await asyncio.wait_for(writer.drain(), 5)
+        answer = await asyncio.wait_for(reader.read(65536), 5)
+        closed = await asyncio.wait_for(reader.read(65536), 5) == b""
+        return answer, closed
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+@pytest.fixture
+async def relay(tmp_path: Path) -> AsyncIterator[RelayUnderTest]:
+    async with running_relay(tmp_path, [route("sbx", envd_token="envd-secret")]) as r:
+        yield r
+
+
+async def test_relays_own_answer_to_a_large_upload_is_read(relay: RelayUnderTest) -> None:
+    answer, closed = await upload_then_read(
+        relay.port, f"49983-sbx.{DOMAIN}", "X-Access-Token: wrong\r\n"
+    )
+    assert answer.startswith(b"HTTP/1.1 401 ")
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["code"] == 401
+    assert closed
+
+
+async def test_an_upstreams_early_answer_to_a_large_upload_is_read(relay: RelayUnderTest) -> None:
+    async def refuse_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n\r\ntoo big!")
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):  # a server that drains, as Go's does
+                pass
+        writer.close()
+
+    async with scripted_upstream(refuse_early) as port:
+        answer, closed = await upload_then_read(relay.port, f"{port}-sbx.{DOMAIN}")
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert answer.endswith(b"too big!")
+    assert closed
+
+
+async def test_lingering_ends(relay: RelayUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that never stops sending is cut off once LINGER_TOTAL_S has passed (and a
+    close grace period, relay.timers), having been sent its answer."""
+    monkeypatch.setattr(closing, "LINGER_TOTAL_S", 0.3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    host = f"49983-sbx.{DOMAIN}"
+    writer.write(
+        f"POST /files HTTP/1.1\r\nHost: {host}\r\nContent-Length: {1 << 40}\r\n\r\n".encode()
+    )
+    received = bytearray()
+
+    async def read_all() -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                received.extend(data)
+
+    reading = asyncio.ensure_future(read_all())
+    started = time.monotonic()
+    with contextlib.suppress(ConnectionError):
+        while time.monotonic() - started < 15:
+            writer.write(BLOCK)
+            await asyncio.wait_for(writer.drain(), 10)
+            await asyncio.sleep(0.01)
+    elapsed = time.monotonic() - started
+    writer.close()
+    await asyncio.wait_for(reading, 5)
+    assert elapsed < 10, "relay never stopped lingering"
+    assert bytes(received).startswith(b"HTTP/1.1 401 ")
