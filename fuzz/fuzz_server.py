@@ -71,11 +71,13 @@ class FakeTransport:
     def __init__(self) -> None:
         self.out = bytearray()
         self.closed = False
+        self.eof = False  # write_eof() was called: uvloop raises on any later write
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("192.0.2.1", 40000) if name == "peername" else default
 
     def write(self, data: bytes) -> None:
+        assert not self.eof, "relay wrote to a client after half-closing it"
         if not self.closed:
             self.out += data
 
@@ -93,7 +95,10 @@ class FakeTransport:
         self.closed = True
 
     def can_write_eof(self) -> bool:
-        return False
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
 
     def pause_reading(self) -> None:
         pass
