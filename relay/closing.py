@@ -105,9 +105,9 @@ class Closing:
         self.closing = True
         self.parser = None
         transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        if self._mid_message and not self._lingering:
+        if transport is None or transport.is_closing() or self._lingering:
+            return  # a lingering close ends when the client closes, or at its deadline
+        if self._mid_message:
             self._mid_message = False
             self._lingering = time.monotonic()
             self._end_exchanges()  # nothing more is written after the answer
@@ -118,6 +118,12 @@ class Closing:
         else:
             transport.close()
         self.relay.timers.close_deadline(self)
+
+    def close_now(self) -> None:
+        """Close without lingering (relay is stopping)."""
+        self._lingering = 0.0
+        self._mid_message = False
+        self.close()
 
     def _still_sending(self) -> None:
         """Lingering: the client is still sending. Wait on, within LINGER_TOTAL_S."""

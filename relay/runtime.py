@@ -353,7 +353,7 @@ class Relay:
         for item in [i for items in self.live.values() for i in items]:
             item.revoke()
         for conn in list(self.connections):
-            conn.close()
+            conn.close_now()
         self.pool.close_all()
         self.outbox.unbind()
         for task in list(self._tasks):

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from relay.outbox import Outbox
+from relay.timers import CLOSE_GRACE_S
 
 if TYPE_CHECKING:
     from relay.response import ResponseReader
@@ -143,22 +144,21 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
-        """Close once what was written has gone out, or at once if the upstream is not reading.
+        """Close once what was written has gone out, but not after ``CLOSE_GRACE_S``.
 
-        relay closes an upstream connection only when nothing more has to reach the upstream
-        (the exchange is over or cut, an idle connection expired). Bytes still queued then
-        belong to a request the upstream stopped reading (it answered early, or hangs), and
-        ``transport.close()`` would wait for them forever: uvloop has no close timeout, so the
-        socket and its buffer would stay until the upstream reads. Those are aborted (RST).
+        ``transport.close()`` waits for the write buffer to drain, for ever if the upstream
+        never reads (uvloop has no close timeout): an app that answered without reading its
+        request, or hangs, would keep the socket and its buffer. So a close with bytes still
+        queued is given the grace period and then aborted by the pool's sweep. Until then the
+        bytes still go out: a WebSocket's last frames, its Close frame included.
         """
         self.pool.outbox.flush()  # what was written before the close goes out before it
         transport = self.transport
         if transport is not None and not self.closed:
             self.closed = True
+            transport.close()
             if transport.get_write_buffer_size():
-                transport.abort()
-            else:
-                transport.close()
+                self.pool.closing_slowly(self)
         self.drop_reader()
 
     def abort(self) -> None:
@@ -206,6 +206,8 @@ class Pool:
         self.source_address = source_address or None
         self._clock = clock
         self._idle: dict[PoolKey, list[UpstreamConnection]] = {}
+        # Closed with bytes still queued (UpstreamConnection.close): when, for the sweep.
+        self._closing: dict[UpstreamConnection, float] = {}
         self.opened = 0  # open upstream connections, idle or in use
 
     def acquire(self, key: PoolKey) -> UpstreamConnection | None:
@@ -236,7 +238,13 @@ class Pool:
         conn.resume_reading()  # an idle connection must see the upstream's EOF
         idle.append(conn)
 
+    def closing_slowly(self, conn: UpstreamConnection) -> None:
+        self._closing[conn] = self._clock()
+
     def forget(self, conn: UpstreamConnection) -> None:
+        """The connection is gone (``connection_lost``)."""
+        if self._closing:
+            self._closing.pop(conn, None)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
@@ -254,7 +262,14 @@ class Pool:
         return closed
 
     def sweep(self) -> None:
-        """Close connections idle for longer than the upstream keep-alive timeout."""
+        """Close connections idle for longer than the upstream keep-alive timeout; abort
+        those still draining their write buffer after ``CLOSE_GRACE_S``."""
+        if self._closing:
+            late = self._clock() - CLOSE_GRACE_S
+            for conn in [c for c, since in self._closing.items() if since <= late]:
+                del self._closing[conn]
+                if conn.transport is not None:
+                    conn.transport.abort()
         cutoff = self._clock() - self.idle_timeout_s
         for key in list(self._idle):
             idle = self._idle[key]

@@ -15,11 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from relay import upstreams
 from relay.flow import PAUSE_UPSTREAM_FULL
 from relay.upstreams import PoolKey, UpstreamConnection
 from tests.support.wired import DOMAIN, RESPONSE, Recorder, Wired, make_wired
 
 HOST = f"3000-sbx.{DOMAIN}"
+HANDSHAKE = (
+    f"GET /ws HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+).encode()
 
 
 @pytest.fixture
@@ -50,21 +55,53 @@ def test_an_upstream_that_answered_without_reading_leaves_the_client_readable(
     assert wired.client_transport.reading
     assert not wired.client._paused & PAUSE_UPSTREAM_FULL
     assert wired.relay.pool.idle_count() == 0
-    assert wired.upstream_transport.events[-1] == ("abort", b"")
+    assert wired.upstream_transport.events[-1] == ("close", b"")
 
 
-@pytest.mark.parametrize(("buffered", "end"), [(0, "close"), (1, "abort")])
-def test_an_upstream_connection_is_aborted_when_its_bytes_cannot_go_out(
-    wired: Wired, buffered: int, end: str
+@pytest.mark.parametrize(
+    ("buffered", "lost", "events"),
+    [(0, False, ["close"]), (1, False, ["close", "abort"]), (1, True, ["close"])],
+    ids=["drained", "never-drained", "drained-in-time"],
+)
+def test_an_upstream_close_that_cannot_drain_is_aborted_after_a_grace_period(
+    wired: Wired, monkeypatch: pytest.MonkeyPatch, buffered: int, lost: bool, events: list[str]
 ) -> None:
     """transport.close() waits for the write buffer to drain, for ever if the upstream never
-    reads: relay's close aborts a connection with bytes still queued."""
+    reads: the pool's sweep aborts a connection still draining after CLOSE_GRACE_S. Until
+    then its bytes still go out (a WebSocket's Close frame, below)."""
     conn = UpstreamConnection(wired.relay.pool, PoolKey("sbx", 0, "127.0.0.1", 3000))
     transport = Recorder(("127.0.0.1", 3000))
     conn.connection_made(transport)  # type: ignore[arg-type]
     transport.buffered = buffered
     conn.close()
-    assert transport.events == [(end, b"")]
+    wired.relay.pool.sweep()
+    assert transport.events == [("close", b"")]  # within the grace period
+    if lost:
+        conn.connection_lost(None)  # the bytes went out and the close completed
+    monkeypatch.setattr(upstreams, "CLOSE_GRACE_S", 0.0)
+    wired.relay.pool.sweep()
+    assert [kind for kind, _ in transport.events] == events
+
+
+def test_a_websockets_last_frames_to_a_slow_upstream_are_not_discarded(wired: Wired) -> None:
+    """The client sends a Close frame and goes while the upstream has not read it yet: the
+    upstream connection is closed after its buffer, not aborted (SPEC §4: close codes flow
+    both ways)."""
+    wired.client.data_received(HANDSHAKE)
+    wired.turns.end()
+    wired.upstream.data_received(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+    wired.turns.end()
+    close_frame = b"\x88\x82\0\0\0\0\x03\xe8"  # masked Close 1000
+    wired.client.data_received(close_frame)
+    wired.turns.end()
+    wired.upstream_transport.buffered = len(close_frame)  # not taken by the upstream yet
+    assert wired.client.eof_received() is False  # uvloop then closes the client transport
+    wired.client.connection_lost(None)
+    wired.turns.end()
+    assert wired.upstream_transport.data.endswith(close_frame)
+    assert wired.upstream_transport.events[-1] == ("close", b"")
 
 
 def test_head_with_a_body_and_an_upstream_reset_ends_cleanly(
@@ -120,12 +157,6 @@ def test_thousands_of_pipelined_answers_do_not_nest(wired: Wired) -> None:
     assert not wired.client.closing
     assert wired.client_transport.reading
     assert not wired.client.queue
-
-
-HANDSHAKE = (
-    f"GET /ws HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-    "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
-).encode()
 
 
 @pytest.mark.parametrize(

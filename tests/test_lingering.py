@@ -86,6 +86,46 @@ async def test_an_upstreams_early_answer_to_a_large_upload_is_read(relay: RelayU
     assert closed
 
 
+async def test_relays_502_when_the_upstream_goes_mid_upload_is_read(relay: RelayUnderTest) -> None:
+    """The exchange is cut (its answer closes the connection) and the cut closes the client
+    once more: a close while lingering leaves the linger alone."""
+
+    async def close_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read(65536)
+        writer.close()  # FIN without an answer
+
+    async with scripted_upstream(close_early) as port:
+        answer, closed = await upload_then_read(relay.port, f"{port}-sbx.{DOMAIN}")
+    assert answer.startswith(b"HTTP/1.1 502 ")
+    assert closed
+
+
+async def test_a_revocation_mid_upload_is_read(relay: RelayUnderTest) -> None:
+    async def drain(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+        writer.close()
+
+    async with scripted_upstream(drain) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        head = f"POST /up HTTP/1.1\r\nHost: {port}-sbx.{DOMAIN}\r\nContent-Length: {SIZE}\r\n\r\n"
+        writer.write(head.encode())
+        try:
+            for i in range(SIZE // len(BLOCK)):
+                if i == 16:
+                    relay.set_routes([])  # the sandbox is gone: relay answers 502 itself
+                writer.write(BLOCK)
+                await asyncio.wait_for(writer.drain(), 5)
+            answer = await asyncio.wait_for(reader.read(65536), 5)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.1 502 ")
+
+
 async def test_lingering_ends(relay: RelayUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that never stops sending is cut off once LINGER_TOTAL_S has passed (and a
     close grace period, relay.timers), having been sent its answer."""

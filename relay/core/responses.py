@@ -193,14 +193,16 @@ def _plan(
 
 def only_chunked(headers: Headers) -> bool:
     """The response's transfer codings, over all its Transfer-Encoding fields, are exactly
-    ``chunked`` (RFC 9112 §6.1): the only coding relay decodes and re-applies."""
+    ``chunked`` (RFC 9112 §6.1): the only coding relay decodes and re-applies. Empty list
+    elements do not count (RFC 9110 §5.6.1); chunked twice does (§6.1 forbids it; nginx
+    answers such a response 502 too)."""
     codings = [
         coding.strip().lower()
         for name, value in headers
         if name.lower() == b"transfer-encoding"
         for coding in value.split(b",")
     ]
-    return codings == [b"chunked"]
+    return [coding for coding in codings if coding] == [b"chunked"]
 
 
 def interim_head(status: int, reason: bytes, headers: Headers) -> bytes:

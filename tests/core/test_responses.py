@@ -153,6 +153,7 @@ def test_status_lines_remembered_only_for_short_reasons(monkeypatch: pytest.Monk
     [
         (((b"Transfer-Encoding", b"chunked"),), True),
         (((b"transfer-encoding", b" Chunked "),), True),
+        (((b"Transfer-Encoding", b", chunked,"),), True),  # empty elements (RFC 9110 §5.6.1)
         (((b"Transfer-Encoding", b"gzip"),), False),
         (((b"Transfer-Encoding", b"gzip, chunked"),), False),
         (((b"Transfer-Encoding", b"chunked, gzip"),), False),
