@@ -39,6 +39,7 @@ log = logging.getLogger("relay.server")
 
 class ClientConnection(Closing, asyncio.Protocol):
     __slots__ = (
+        "_client_eof",
         "_head_bytes",
         "_headers",
         "_in_head",
@@ -71,6 +72,7 @@ class ClientConnection(Closing, asyncio.Protocol):
         self._paused = 0
         self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
         self._starting = False  # exchange_finished is starting queued exchanges
+        self._client_eof = False  # the client half-closed: close once its requests are answered
         self.write_paused = False
         self.active: Exchange | None = None  # the exchange whose response is being written
         self.receiving: Exchange | None = None  # the exchange whose body is being parsed
@@ -127,7 +129,8 @@ class ClientConnection(Closing, asyncio.Protocol):
         limit = self.relay.config.listen.max_header_bytes
         if self._in_head:
             if self._head_raw > limit:
-                self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+                # After any earlier pipelined responses, not inside one (RFC 9112 §9.3.2).
+                self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))
         elif self._moved:
             self._stalled = 0
         else:
@@ -162,7 +165,9 @@ class ClientConnection(Closing, asyncio.Protocol):
             return False
         if self._lingering:
             return False  # the answer went out before the linger began
-        self.closing = True
+        # Requests already read are still answered, in order (a client may send its last
+        # pipelined requests and half-close); then the connection closes.
+        self._client_eof = True
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -230,7 +235,7 @@ class ClientConnection(Closing, asyncio.Protocol):
         size = len(method) + len(self._url) + 12 + self._head_bytes
         if size > self.relay.config.listen.max_header_bytes:
             self.relay.timers.head_done(self)
-            self.refuse(Reject(reason=Reason.HEADERS_TOO_LARGE))
+            self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))  # in order, as above
             return
         head = RequestHead(
             method=method,
@@ -324,6 +329,9 @@ class ClientConnection(Closing, asyncio.Protocol):
                 return
         if self._refusal is not None:
             self.refuse(self._refusal)  # every earlier request is answered: now the refusal
+            return
+        if self._client_eof:
+            self.close()  # every request the client sent before its FIN is answered
             return
         self.resume(PAUSE_QUEUE)
         if not self._in_head:

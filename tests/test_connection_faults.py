@@ -189,3 +189,44 @@ def test_a_response_in_a_transfer_coding_relay_cannot_decode_is_a_502(wired: Wir
     assert wired.client_transport.data.startswith(b"HTTP/1.1 502 ")
     assert b"\x1f\x8b" not in wired.client_transport.data
     assert wired.upstream_transport.closing
+
+
+def test_an_oversized_pipelined_head_is_refused_after_the_running_response(wired: Wired) -> None:
+    """RFC 9112 §9.3.2: answers go out in request order. A pipelined head past
+    listen.max_header_bytes arriving while the first response streams is answered 431 after
+    that response, not written into the middle of its body."""
+    wired.client.data_received(f"GET /first HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    wired.turns.end()
+    wired.upstream.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234")
+    wired.turns.end()
+    big = f"GET /second HTTP/1.1\r\nHost: {HOST}\r\nX-Big: ".encode() + b"b" * 20_000
+    wired.client.data_received(big + b"\r\n\r\n")
+    wired.turns.end()
+    wired.upstream.data_received(b"56789")
+    wired.turns.end()
+    first, sep, rest = wired.client_transport.data.partition(b"0123456789")
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert sep
+    assert rest.startswith(b"HTTP/1.1 431 ")
+
+
+def test_pipelined_requests_sent_before_a_half_close_are_all_answered(wired: Wired) -> None:
+    """A client may send its last requests and half-close: each is answered, in order, then
+    relay closes (before, the queued ones were dropped)."""
+    second = UpstreamConnection(wired.relay.pool, PoolKey("sbx", 0, "127.0.0.1", 3000))
+    second_transport = Recorder(("127.0.0.1", 3000))
+    second.connection_made(second_transport)  # type: ignore[arg-type]
+    wired.relay.pool.release(second)  # pooled last: taken first
+    one = f"GET /1 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    two = f"GET /2 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    wired.client.data_received(one + two)
+    assert wired.client.eof_received() is True  # kept open for the answers
+    wired.turns.end()
+    assert second_transport.data.startswith(b"GET /1 ")
+    second.data_received(RESPONSE)
+    wired.turns.end()
+    assert wired.upstream_transport.data.startswith(b"GET /2 ")
+    wired.upstream.data_received(RESPONSE)
+    wired.turns.end()
+    assert wired.client_transport.data.count(b"HTTP/1.1 200 OK") == 2
+    assert wired.client_transport.events[-1] == ("close", b"")
