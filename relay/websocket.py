@@ -76,7 +76,11 @@ class Splice:
             self.client_data(client_tail)
         if upstream_tail:
             self.upstream_data(upstream_tail)
-        self.client.resume_all()
+        self.client.resume_all()  # the handshake's pauses (upgrade, dial) are over...
+        if self.upstream.write_paused:
+            # ...but not a full upstream buffer (the client's tail may have filled it, and
+            # the transport will not say pause_writing twice): keep the client unread.
+            self.client.pause(PAUSE_UPSTREAM_FULL)
         if self.client.write_paused:
             self.upstream.pause_reading()
 

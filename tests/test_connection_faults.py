@@ -230,3 +230,22 @@ def test_pipelined_requests_sent_before_a_half_close_are_all_answered(wired: Wir
     wired.turns.end()
     assert wired.client_transport.data.count(b"HTTP/1.1 200 OK") == 2
     assert wired.client_transport.events[-1] == ("close", b"")
+
+
+def test_a_full_upstream_still_holds_the_client_back_once_the_splice_starts(wired: Wired) -> None:
+    """The upstream's buffer is over its high-water mark when its 101 arrives (the client's
+    bytes after the handshake filled it): the splice must keep the client unread, or relay
+    buffers whatever the client sends for an upstream that does not read."""
+    wired.client.data_received(HANDSHAKE)
+    wired.turns.end()
+    wired.upstream_transport.buffered = 1 << 20
+    wired.upstream.pause_writing()
+    wired.upstream.data_received(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+    wired.turns.end()
+    assert wired.client.splice is not None
+    assert [wired.client_transport.reading] == [False]
+    wired.upstream_transport.buffered = 0
+    wired.upstream.resume_writing()
+    assert wired.client_transport.reading
