@@ -69,6 +69,33 @@ async def test_relays_own_answer_to_a_large_upload_is_read(relay: RelayUnderTest
     assert closed
 
 
+async def test_a_chunked_upload_past_the_discard_limit_still_gets_its_answer(
+    relay: RelayUnderTest,
+) -> None:
+    """A refused chunked body is read and dropped up to DISCARD_LIMIT (the connection could
+    be kept); past it relay closes, lingering, so the 401 written first is still read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    try:
+        host = f"49983-sbx.{DOMAIN}"
+        writer.write(
+            f"POST /files HTTP/1.1\r\nHost: {host}\r\nX-Access-Token: wrong\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        chunk = b"%x\r\n" % len(BLOCK) + BLOCK + b"\r\n"
+        for _ in range(SIZE // len(BLOCK)):
+            writer.write(chunk)
+            await asyncio.wait_for(writer.drain(), 5)
+        writer.write(b"0\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(65536), 5)
+        closed = await asyncio.wait_for(reader.read(65536), 5) == b""
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.1 401 ")
+    assert closed
+
+
 async def test_an_upstreams_early_answer_to_a_large_upload_is_read(relay: RelayUnderTest) -> None:
     async def refuse_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
