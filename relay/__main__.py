@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from relay import __version__, accesslog, routes_cli
-from relay.config import Config, ConfigError, load
+from relay.config import Config, ConfigError, load, redact_url
 from relay.core.auth import file_signature
 
 log = logging.getLogger("relay")
@@ -119,17 +119,9 @@ def redacted(config: Config) -> dict[str, Any]:
         values = dataclasses.asdict(getattr(config, section.name))
         for key in values:
             if key in SECRET_KEYS and values[key]:
-                values[key] = _redact_url(values[key])
+                values[key] = redact_url(values[key])
         out[section.name] = values
     return out
-
-
-def _redact_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":<redacted>@")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import tomllib
 import types
@@ -206,9 +207,11 @@ def parse(data: dict[str, Any], base_dir: Path = Path()) -> Config:
 def load(path: str | os.PathLike[str]) -> Config:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 (byte {exc.start}); TOML files are UTF-8") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -232,7 +235,19 @@ def validate(config: Config) -> None:
         "listen.tls_key",
         "tls_cert and tls_key are set together",
     )
+    for name, cls in _SECTIONS.items():
+        section = getattr(config, name)
+        for f in dataclasses.fields(cls):
+            value = getattr(section, f.name)
+            if isinstance(value, float):
+                _check(math.isfinite(value), f"{name}.{f.name}", "must be a finite number")
     _check(listen.header_timeout_s > 0, "listen.header_timeout_s", "must be > 0")
+    _check(listen.idle_timeout_s > 0, "listen.idle_timeout_s", "must be > 0")
+    # A poll interval of 0 would stat the routes file in a busy loop, a core at 100%.
+    _check(routes.poll_interval_s >= 0.01, "routes.poll_interval_s", "must be >= 0.01")
+    _check(up.idle_timeout_s > 0, "upstream.idle_timeout_s", "must be > 0")
+    _check(up.max_idle_per_upstream >= 0, "upstream.max_idle_per_upstream", "must be >= 0")
+    _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
     _check(listen.max_header_bytes >= 1024, "listen.max_header_bytes", "must be >= 1024")
     _check(listen.max_connections >= 1, "listen.max_connections", "must be >= 1")
     for key, cidrs in (
@@ -281,6 +296,31 @@ def validate(config: Config) -> None:
     _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
 
 
+def url_password(url: str) -> str | None:
+    """A password written into a Redis URL: the userinfo's, or a ``password`` query
+    parameter, which redis-py's ``from_url`` also reads (and prefers over its argument)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None:
+        return parts.password
+    values = urllib.parse.parse_qs(parts.query, keep_blank_values=True).get("password")
+    return values[0] if values else None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password in it (userinfo or query) replaced by ``<redacted>``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":<redacted>@")
+        parts = parts._replace(netloc=netloc)
+    if parts.query:
+        query = [
+            (name, "<redacted>" if name == "password" else value)
+            for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        ]
+        parts = parts._replace(query=urllib.parse.urlencode(query, safe="<>"))
+    return urllib.parse.urlunsplit(parts)
+
+
 def _check_redis_secrets(routes: Routes) -> None:
     """Where the Redis identity comes from must be unambiguous.
 
@@ -289,19 +329,19 @@ def _check_redis_secrets(routes: Routes) -> None:
     logs a warning) but not together with those keys, because redis-py would silently
     prefer the URL's.
     """
-    url = urllib.parse.urlsplit(routes.redis_url)
     _check(
         not (routes.redis_password_file and routes.redis_password_env),
         "routes.redis_password_env",
         "set redis_password_file or redis_password_env, not both",
     )
     _check(
-        url.password is None or not (routes.redis_password_file or routes.redis_password_env),
+        url_password(routes.redis_url) is None
+        or not (routes.redis_password_file or routes.redis_password_env),
         "routes.redis_url",
         "holds a password while redis_password_file or redis_password_env is set",
     )
     _check(
-        not (url.username and routes.redis_username),
+        not (urllib.parse.urlsplit(routes.redis_url).username and routes.redis_username),
         "routes.redis_username",
         "redis_url names a user already",
     )

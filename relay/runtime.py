@@ -282,6 +282,11 @@ class Relay:
                 host,
                 port,
                 ssl=self.tls.listener if self.tls else None,
+                # SPEC §5a: header_timeout_s runs from accept; the TLS handshake comes before
+                # the protocol (and its header timer) exists, so it gets the same bound
+                # instead of asyncio's default of 60 s. (Not reloaded by SIGHUP: the listener
+                # keeps the value it was created with.)
+                ssl_handshake_timeout=listen.header_timeout_s if self.tls else None,
                 reuse_address=True,
                 reuse_port=self.config.process.workers > 1,
                 backlog=4096,

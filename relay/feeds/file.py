@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,13 @@ class FileError(ValueError):
 def read_routes_file(path: Path) -> list[Any]:
     """The route objects of a routes file; raises :class:`FileError` on any problem."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FileError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        # A writer caught mid-write, or not a routes file: like bad JSON, the previous table
+        # stays (SPEC §3). An escaped exception would end the feed's task for good.
+        raise FileError(f"{path}: not UTF-8 (byte {exc.start})") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -49,9 +54,21 @@ def read_routes_file(path: Path) -> list[Any]:
 
 
 def write_routes_file(path: Path, routes: list[dict[str, Any]]) -> None:
-    """Replace the file atomically (same directory, then rename)."""
+    """Replace the file atomically (same directory, then rename), keeping its mode.
+
+    The file holds every sandbox's tokens (SPEC §2-3: readable by the ingress identity
+    only): the new file gets the old one's permission bits, and 0600 when there was none,
+    whatever the umask of whoever runs ``relay routes``.
+    """
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0o600
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"routes": routes}, indent=2) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        os.fchmod(out.fileno(), mode)
+        out.write(json.dumps({"routes": routes}, indent=2) + "\n")
     os.replace(tmp, path)
 
 

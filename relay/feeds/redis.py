@@ -52,7 +52,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from relay.config import Config, ConfigError
+from relay.config import Config, ConfigError, url_password
 from relay.core.feed import (
     MISSING,
     Fold,
@@ -206,7 +206,7 @@ class RedisFeed:
         return True
 
     async def run(self) -> None:
-        if urllib.parse.urlsplit(self.target.url).password is not None:
+        if url_password(self.target.url) is not None:
             log.warning(
                 "routes.redis_url holds a password; prefer routes.redis_password_file or "
                 "routes.redis_password_env, which keep it out of the configuration file"

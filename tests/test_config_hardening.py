@@ -1,0 +1,152 @@
+"""Operator-facing faults found by review: secrets in a Redis URL's query, a routes file
+made world-readable by ``relay routes``, values that would spin or never expire, files that
+are not UTF-8, and a TLS port that let silent clients wait out a 60 s handshake."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.__main__ import main
+from relay.config import ConfigError, parse, redact_url
+from tests.support.certs import issue
+from tests.support.harness import DOMAIN, config_data, route, running_relay, to_toml, write_routes
+
+
+def config_file(tmp_path: Path, overrides: dict[str, dict[str, Any]]) -> Path:
+    path = tmp_path / "relay.toml"
+    path.write_text(to_toml(config_data(tmp_path, overrides)))
+    return path
+
+
+QUERY_URL = "redis://127.0.0.1:6379/0?password=hunter2"
+
+
+def test_check_config_redacts_a_password_in_the_query(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """redis-py reads ``?password=`` too (and prefers it): SPEC §7 check-config redacts it."""
+    path = config_file(tmp_path, {"routes": {"source": "redis", "redis_url": QUERY_URL}})
+    assert main(["check-config", "--config", str(path), "--offline"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    assert "<redacted>" in out
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://u:pw@h:1/0", "redis://u:<redacted>@h:1/0"),
+        ("redis://h/0?db=1&password=x%40y", "redis://h/0?db=1&password=<redacted>"),
+        ("rediss://h/0", "rediss://h/0"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_a_query_password_conflicts_with_a_password_file(tmp_path: Path) -> None:
+    (tmp_path / "pw").write_text("from-file\n")
+    routes = {"source": "redis", "redis_url": QUERY_URL, "redis_password_file": "pw"}
+    with pytest.raises(ConfigError, match=r"routes\.redis_url"):
+        parse(config_data(tmp_path, {"routes": routes}), base_dir=tmp_path)
+
+
+def test_relay_routes_keeps_a_private_routes_file_private(tmp_path: Path) -> None:
+    """The routes file holds every sandbox's tokens; rewriting it with ``relay routes put``
+    under a 022 umask must not make it world-readable (SPEC §2-3)."""
+    routes = tmp_path / "routes.json"
+    path = config_file(tmp_path, {})
+    write_routes(routes, [route("aaa", envd_token="secret-token-1")])
+    os.chmod(routes, 0o600)
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(route("bbb", envd_token="secret-token-2")))
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["routes", "put", str(new), "--config", str(path)]) == 0
+    finally:
+        os.umask(old_umask)
+    assert "secret-token-2" in routes.read_text()
+    assert stat.S_IMODE(routes.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("routes", "poll_interval_s", 0),  # a busy loop on stat()
+        ("routes", "poll_interval_s", -1),
+        ("listen", "idle_timeout_s", -5),
+        ("upstream", "idle_timeout_s", 0),
+        ("upstream", "max_idle_per_upstream", -1),
+        ("upstream", "connect_timeout_s", float("inf")),
+        ("process", "drain_timeout_s", float("nan")),
+    ],
+)
+def test_out_of_range_values_are_refused_by_key(
+    tmp_path: Path, section: str, key: str, value: float
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"{section}.{key}")):
+        parse(config_data(tmp_path, {section: {key: value}}), base_dir=tmp_path)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_bytes(b'[listen]\naddress = "127.0.0.1:0" # \xff\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "relay", "check-config", "--config", str(path), "--offline"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "not UTF-8" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+async def test_the_route_file_feed_survives_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    """SPEC §3: a file that fails to parse keeps the previous table, and later changes are
+    still read (before, the decode error ended the feed's task: no revocation any more)."""
+    routes = [route("aaa", envd_token="t1"), route("bbb", envd_token="t2")]
+    async with running_relay(tmp_path, routes) as relay:
+        assert set(relay.relay.table.routes) == {"aaa", "bbb"}
+        relay.routes_file.write_bytes(b'{"routes": [\xff')  # a writer caught mid-write
+        await asyncio.sleep(0.5)
+        assert set(relay.relay.table.routes) == {"aaa", "bbb"}
+        write_routes(relay.routes_file, [route("aaa", envd_token="t1")])
+        for _ in range(60):  # the feed polls every 0.25 s
+            if "bbb" not in relay.relay.table.routes:
+                break
+            await asyncio.sleep(0.05)
+        assert "bbb" not in relay.relay.table.routes
+
+
+async def test_a_silent_client_on_the_tls_port_is_closed_at_the_header_timeout(
+    tmp_path: Path,
+) -> None:
+    """SPEC §5a: header_timeout_s runs from accept, the TLS handshake included (asyncio's
+    own default would keep the socket 60 s)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    listen = {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file)}
+    listen["header_timeout_s"] = 1  # type: ignore[assignment]
+    async with running_relay(tmp_path, [route("box", insecure=True)], {"listen": listen}) as r:
+        reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+        started = time.monotonic()
+        try:
+            data = await asyncio.wait_for(reader.read(4096), 4)
+        except ConnectionError:
+            data = b""
+        finally:
+            writer.close()
+        assert data == b""
+        assert time.monotonic() - started < 3
