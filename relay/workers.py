@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -45,7 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from relay import admin
-from relay.config import Config, ConfigError, split_address
+from relay.config import Config, ConfigError, load, split_address
 from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV
 from relay.preflight import host_checks
 from relay.systemd import Notifier
@@ -133,6 +134,7 @@ class Worker:
     failures: int = 0
     restarts: int = 0
     status: str = ""
+    reload_pending: bool = False  # a SIGHUP came before it was ready: sent once it is
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -272,9 +274,13 @@ class Supervisor:
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for worker in self.workers:
-            if worker.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.pid, sig)
+            self._signal(worker, sig)
+
+    @staticmethod
+    def _signal(worker: Worker, sig: signal.Signals) -> None:
+        if worker.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, sig)
 
     async def _monitor(self) -> None:
         """Kill a ready worker whose event loop stopped pinging (its restart follows)."""
@@ -321,6 +327,9 @@ class Supervisor:
         if fields.get("READY") == "1" and not worker.ready:
             worker.ready = True
             log.info("worker %d (pid %s) ready", worker.index, worker.pid)
+            if worker.reload_pending:
+                worker.reload_pending = False
+                self._signal(worker, signal.SIGHUP)
             if all(w.ready for w in self.workers) and not self.all_ready.is_set():
                 self.all_ready.set()
             self.notifier.status(self._status())
@@ -341,8 +350,29 @@ class Supervisor:
     def _on_reload_signal(self) -> None:
         log.info("reload requested: forwarding SIGHUP to the workers")
         self.notifier.reloading()
-        self._signal_all(signal.SIGHUP)
+        self._reload_own_settings()
+        for worker in self.workers:
+            if worker.ready:
+                self._signal(worker, signal.SIGHUP)
+            else:
+                # A worker still starting has not installed its handler yet: SIGHUP's default
+                # action would kill it. It gets the signal once it says READY.
+                worker.reload_pending = True
         self.notifier.ready(self._status())
+
+    def _reload_own_settings(self) -> None:
+        """The one reloadable setting the supervisor uses itself: how long a drain may take
+        before stragglers are killed (``process.drain_timeout_s``, reloadable per SPEC §7).
+        A file that does not load leaves it unchanged; the workers report why."""
+        if self.config.source is None:
+            return
+        try:
+            new = load(self.config.source)
+        except ConfigError:
+            return
+        drain = new.process.drain_timeout_s
+        process = dataclasses.replace(self.config.process, drain_timeout_s=drain)
+        self.config = dataclasses.replace(self.config, process=process)
 
     async def _watchdog(self, interval_s: float) -> None:
         while True:

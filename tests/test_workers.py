@@ -220,3 +220,68 @@ def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path) -> None
     assert result.returncode == 1, result.stderr
     assert "died: exit 1" in result.stderr
     assert "restarting" not in result.stderr
+
+
+async def test_a_sighup_while_a_worker_restarts_does_not_kill_it(tmp_path: Path) -> None:
+    """A worker still starting has no SIGHUP handler yet (the default action kills it): the
+    supervisor forwards the reload to it once it is ready instead (SPEC §7: a reload drops
+    nothing)."""
+    relay = RelayProcess(tmp_path, [route("box", insecure=True)], {"process": {"workers": 2}})
+    relay.start(timeout=20)
+    try:
+        _, body = await get(relay.admin_port, "/readyz")
+        os.kill(json.loads(body)["workers"][0]["pid"], signal.SIGKILL)
+        for _ in range(500):  # bounded: 5 s
+            if relay.output().count("worker 0 started") >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert relay.proc is not None
+        relay.proc.send_signal(signal.SIGHUP)  # systemctl reload while worker 0 starts
+        await asyncio.sleep(1.5)
+    finally:
+        relay.stop()
+    died = [line for line in relay.output().splitlines() if "died" in line]
+    assert len(died) == 1, died  # the SIGKILL above, not the reload
+
+
+async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: Path) -> None:
+    """process.drain_timeout_s is reloadable (SPEC §7): the supervisor, which kills workers
+    that outlive it, must use the reloaded value as the workers do."""
+
+    async def slow(_request: web.Request) -> web.Response:
+        await asyncio.sleep(8)
+        return web.Response(text="done")
+
+    app = web.Application()
+    app.router.add_get("/", slow)
+    upstream = TestServer(app, host="127.0.0.1")
+    await upstream.start_server()
+    relay = RelayProcess(
+        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 1}}
+    )
+    relay.start(timeout=20)
+    try:
+        data = config_data(
+            tmp_path, {"process": {"workers": 2, "drain_timeout_s": 30}}, port=relay.port
+        )
+        data["admin"]["address"] = f"127.0.0.1:{relay.admin_port}"
+        (tmp_path / "relay.toml").write_text(to_toml(data))
+        assert relay.proc is not None
+        relay.proc.send_signal(signal.SIGHUP)
+        for _ in range(100):  # bounded: 5 s
+            if relay.output().count("process.drain_timeout_s") >= 2:
+                break
+            await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        host = f"{upstream.port}-box.{DOMAIN}"
+        writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        relay.proc.send_signal(signal.SIGTERM)  # the old deadline: 1 + KILL_GRACE_S = 6 s
+        answer = await asyncio.wait_for(reader.read(), 15)
+        writer.close()
+        await asyncio.to_thread(relay.proc.wait, 15)
+    finally:
+        relay.stop()
+        await upstream.close()
+    assert answer.startswith(b"HTTP/1.1 200")
