@@ -297,28 +297,31 @@ def validate(config: Config) -> None:
 
 
 def url_password(url: str) -> str | None:
-    """A password written into a Redis URL: the userinfo's, or a ``password`` query
-    parameter, which redis-py's ``from_url`` also reads (and prefers over its argument)."""
+    """A password written into a Redis URL: the userinfo's, or a non-empty ``password``
+    query parameter, which redis-py's ``from_url`` also reads (and prefers over its
+    argument; it ignores an empty one)."""
     parts = urllib.parse.urlsplit(url)
     if parts.password is not None:
         return parts.password
-    values = urllib.parse.parse_qs(parts.query, keep_blank_values=True).get("password")
+    values = urllib.parse.parse_qs(parts.query).get("password")
     return values[0] if values else None
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password in it (userinfo or query) replaced by ``<redacted>``."""
+    """``url`` with any password in it (userinfo or query) replaced by ``<redacted>``, and
+    otherwise exactly as written (``check-config``'s output may be copied back)."""
+    if url_password(url) is None:
+        return url
     parts = urllib.parse.urlsplit(url)
     if parts.password is not None:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":<redacted>@")
-        parts = parts._replace(netloc=netloc)
+        url = url.replace(f":{parts.password}@", ":<redacted>@", 1)
     if parts.query:
-        query = [
-            (name, "<redacted>" if name == "password" else value)
-            for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        pieces = [
+            "password=<redacted>" if piece.partition("=")[0] == "password" else piece
+            for piece in parts.query.split("&")
         ]
-        parts = parts._replace(query=urllib.parse.urlencode(query, safe="<>"))
-    return urllib.parse.urlunsplit(parts)
+        url = url.replace(f"?{parts.query}", "?" + "&".join(pieces), 1)
+    return url
 
 
 def _check_redis_secrets(routes: Routes) -> None:

@@ -368,7 +368,8 @@ class Supervisor:
             return
         try:
             new = load(self.config.source)
-        except ConfigError:
+        except Exception as exc:  # whatever the file holds, SIGHUP is still forwarded
+            log.warning("reload: process.drain_timeout_s unchanged: %s", exc)
             return
         drain = new.process.drain_timeout_s
         process = dataclasses.replace(self.config.process, drain_timeout_s=drain)

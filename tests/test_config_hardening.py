@@ -19,6 +19,7 @@ import pytest
 
 from relay.__main__ import main
 from relay.config import ConfigError, parse, redact_url
+from relay.feeds.file import write_routes_file
 from tests.support.certs import issue
 from tests.support.harness import DOMAIN, config_data, route, running_relay, to_toml, write_routes
 
@@ -49,6 +50,17 @@ def test_check_config_redacts_a_password_in_the_query(
         ("redis://u:pw@h:1/0", "redis://u:<redacted>@h:1/0"),
         ("redis://h/0?db=1&password=x%40y", "redis://h/0?db=1&password=<redacted>"),
         ("rediss://h/0", "rediss://h/0"),
+        # Without a password, exactly as written (check-config's output may be copied back).
+        ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+        (
+            "rediss://h/0?ssl_ca_certs=/etc/relay/ca.pem",
+            "rediss://h/0?ssl_ca_certs=/etc/relay/ca.pem",
+        ),
+        (
+            "redis://h/0?client_name=a%20b&password=p",
+            "redis://h/0?client_name=a%20b&password=<redacted>",
+        ),
+        ("redis://h/0?password=", "redis://h/0?password="),  # redis-py ignores an empty one
     ],
 )
 def test_redact_url(url: str, shown: str) -> None:
@@ -78,6 +90,22 @@ def test_relay_routes_keeps_a_private_routes_file_private(tmp_path: Path) -> Non
         os.umask(old_umask)
     assert "secret-token-2" in routes.read_text()
     assert stat.S_IMODE(routes.stat().st_mode) == 0o600
+
+
+def test_relay_routes_keeps_the_routes_files_group(tmp_path: Path) -> None:
+    """docs/operations.md installs the file 0640 root:relay for a service running as relay:
+    a rewrite by root must keep that group, or the service can no longer read it."""
+    routes = tmp_path / "routes.json"
+    write_routes(routes, [route("aaa", envd_token="t")])
+    groups = [g for g in os.getgroups() if g != routes.stat().st_gid]
+    if not groups and os.geteuid() != 0:
+        pytest.skip("needs a second group, or root")
+    group = groups[0] if groups else 65534
+    os.chown(routes, -1, group)
+    os.chmod(routes, 0o640)
+    write_routes_file(routes, [route("bbb", envd_token="t2")])
+    assert routes.stat().st_gid == group
+    assert stat.S_IMODE(routes.stat().st_mode) == 0o640
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from relay.config import ConfigError, load, parse
 from relay.workers import (
     BACKOFF_MAX_S,
     STABLE_S,
+    Supervisor,
     next_failures,
     parse_notification,
     preflight,
@@ -285,3 +286,45 @@ async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: P
         relay.stop()
         await upstream.close()
     assert answer.startswith(b"HTTP/1.1 200")
+
+
+class _Running:
+    """A worker's process as the supervisor sees it (pid, still running)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "[process]\nworkers = 2\ndrain_timeout_s = = 5\n",  # not TOML: ConfigError
+        '[process]\nworkers = 2\n[listen]\naddress = "127.0.0.1:\u00b2"\n',  # ValueError
+        "[process]\nworkers = 2\ndrain_timeout_s = 1" + "0" * 400 + "\n",  # OverflowError
+    ],
+    ids=["toml", "superscript-port", "huge-float"],
+)
+def test_a_reload_of_a_broken_file_is_still_forwarded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    """Whatever the edited file holds, the supervisor forwards SIGHUP to ready workers (they
+    report what is wrong), marks starting ones, keeps its drain timeout and tells systemd
+    it is ready again."""
+    path = tmp_path / "relay.toml"
+    path.write_text("[process]\nworkers = 2\ndrain_timeout_s = 7\n")
+    supervisor = Supervisor(load(path), "info")
+    supervisor.workers[0].proc = _Running(111)  # type: ignore[assignment]
+    supervisor.workers[0].ready = True
+    supervisor.workers[1].proc = _Running(222)  # type: ignore[assignment]
+    sent: list[tuple[int, int]] = []
+    notes: list[str] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(supervisor.notifier, "reloading", lambda: notes.append("RELOADING"))
+    monkeypatch.setattr(supervisor.notifier, "ready", lambda _status: notes.append("READY"))
+    path.write_text(bad)
+    supervisor._on_reload_signal()
+    assert sent == [(111, signal.SIGHUP)]
+    assert supervisor.workers[1].reload_pending
+    assert supervisor.config.process.drain_timeout_s == 7
+    assert notes == ["RELOADING", "READY"]

@@ -14,6 +14,7 @@ see a truncated document, which it would reject and retry on the next poll.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import stat
@@ -54,19 +55,24 @@ def read_routes_file(path: Path) -> list[Any]:
 
 
 def write_routes_file(path: Path, routes: list[dict[str, Any]]) -> None:
-    """Replace the file atomically (same directory, then rename), keeping its mode.
+    """Replace the file atomically (same directory, then rename), keeping who may read it.
 
     The file holds every sandbox's tokens (SPEC §2-3: readable by the ingress identity
-    only): the new file gets the old one's permission bits, and 0600 when there was none,
-    whatever the umask of whoever runs ``relay routes``.
+    only), and the service reads it as its own user, often through the group of a root-owned
+    file (docs/operations.md: ``0640 root:relay``). So the new file gets the old one's mode,
+    owner and group whatever the umask of whoever runs ``relay routes``; a first file gets
+    0640 and the group of its folder.
     """
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
+        st = os.stat(path)
+        mode, uid, gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
     except OSError:
-        mode = 0o600
+        mode, uid, gid = 0o640, -1, os.stat(path.parent).st_gid
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as out:
+        with contextlib.suppress(PermissionError):  # not root: the file stays the caller's
+            os.fchown(out.fileno(), uid, gid)
         os.fchmod(out.fileno(), mode)
         out.write(json.dumps({"routes": routes}, indent=2) + "\n")
     os.replace(tmp, path)
