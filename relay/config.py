@@ -156,7 +156,10 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
         return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}: number out of range") from None
     if annotation is int and isinstance(value, bool):
         raise ConfigError(f"{key}: expected an integer, got a boolean")
     if not isinstance(value, annotation):
@@ -216,6 +219,8 @@ def load(path: str | os.PathLike[str]) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid TOML: nested too deeply") from None
     return dataclasses.replace(parse(data, p.resolve().parent), source=p.resolve())
 
 
@@ -358,7 +363,10 @@ def _check_redis_secrets(routes: Routes) -> None:
 def split_address(address: str) -> tuple[str, int] | None:
     """``host:port`` or ``[v6]:port`` → (host, port)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+    # isascii: str.isdigit() also accepts digits int() refuses ("²").
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        return None
+    if not host:
         return None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

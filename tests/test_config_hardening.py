@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from relay.__main__ import main
-from relay.config import ConfigError, parse, redact_url
+from relay.config import ConfigError, load, parse, redact_url
 from relay.feeds.file import write_routes_file
 from tests.support.certs import issue
 from tests.support.harness import DOMAIN, config_data, route, running_relay, to_toml, write_routes
@@ -125,6 +125,26 @@ def test_out_of_range_values_are_refused_by_key(
 ) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"{section}.{key}")):
         parse(config_data(tmp_path, {section: {key: value}}), base_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[listen]\naddress = "127.0.0.1:\u00b2"\n', "listen.address[0]: bad address"),
+        ("[process]\ndrain_timeout_s = 1" + "0" * 400 + "\n", "process.drain_timeout_s"),
+        ("[listen]\nx = " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
+    ],
+    ids=["superscript-port", "huge-number", "deep-arrays"],
+)
+def test_odd_values_are_config_errors_not_tracebacks(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """SPEC §6-7: a bad configuration stops with a message naming the key (exit 2). These
+    raised ValueError, OverflowError and RecursionError out of load()."""
+    path = tmp_path / "relay.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(path)
 
 
 def test_a_config_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
