@@ -281,6 +281,11 @@ class Respond:
             return  # a 101 continues in response_upgrade(), once llhttp stops at the upgrade
         self.response_complete = True
         if self._client_framing is CHUNKED:
+            tracker = self._tracker
+            if tracker is not None and tracker.holding:
+                rest = tracker.rest()  # a clean end: bytes held for a clean cut go out
+                self.bytes_out += len(rest)
+                self._out += (b"%x\r\n" % len(rest), rest, CRLF)
             self._out.append(LAST_CHUNK)
         if not self.request_complete:
             # The upstream answered before the request body ended (e.g. 413): the rest of the

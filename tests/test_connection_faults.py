@@ -249,3 +249,17 @@ def test_a_full_upstream_still_holds_the_client_back_once_the_splice_starts(wire
     wired.upstream_transport.buffered = 0
     wired.upstream.resume_writing()
     assert wired.client_transport.reading
+
+
+def test_a_connect_stream_that_ends_mid_envelope_still_gets_its_bytes(wired: Wired) -> None:
+    """relay holds a partial Connect envelope so that a cut can end cleanly; when the
+    upstream ends its stream instead, the held bytes go out before the last chunk (SPEC §4:
+    each upstream chunk reaches the client)."""
+    wired.client.data_received(f"POST /rpc HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    wired.turns.end()
+    wired.upstream.data_received(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    )
+    wired.turns.end()
+    assert wired.client_transport.data.endswith(b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n")

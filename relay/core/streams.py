@@ -65,6 +65,12 @@ class EnvelopeTracker:
     def holding(self) -> int:
         return len(self._held)
 
+    def rest(self) -> bytes:
+        """At the stream's clean end: what is still held (not a whole envelope, so the
+        upstream's own malformed ending), released as it came (SPEC §4)."""
+        held, self._held = self._held, b""
+        return held
+
     def feed(self, data: bytes) -> bytes:
         """Bytes that may be released now; the rest is held until its envelope completes."""
         released = b""
@@ -84,6 +90,8 @@ class EnvelopeTracker:
                 pos += total
                 continue
             if total > self._hold_limit:
+                if buf[pos] & END_STREAM_FLAG:
+                    self.ended = True  # passed through unheld, but the stream's end all the same
                 self._skip = total - (n - pos)
                 pos = n
             break

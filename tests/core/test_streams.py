@@ -79,6 +79,24 @@ def test_upstream_end_frame_is_noticed() -> None:
     assert tracker.ended
 
 
+def test_an_oversized_end_frame_is_noticed_too() -> None:
+    """Passed through unheld, it is still the stream's end: a cut after it must not add a
+    second end-of-stream envelope (the Connect protocol allows one, last)."""
+    for split in (5, 6, 50):
+        tracker = EnvelopeTracker(hold_limit=16)
+        end = envelope(b"e" * 100, flags=2)
+        assert tracker.feed(end[:split]) + tracker.feed(end[split:]) == end
+        assert tracker.ended
+        assert tracker.at_boundary
+
+
+def test_rest_is_what_a_clean_end_finds_held() -> None:
+    tracker = EnvelopeTracker()
+    assert tracker.feed(b"{}") == b""  # not a whole envelope: held
+    assert tracker.rest() == b"{}"
+    assert tracker.holding == 0
+
+
 def ws_frame(payload: bytes, mask: bool) -> bytes:
     n = len(payload)
     if n < 126:
