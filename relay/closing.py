@@ -71,10 +71,15 @@ class Closing:
     _lingering: float
 
     def write(self, data: bytes) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # ClientConnection.write, through the relay's outbox
 
     def _end_exchanges(self) -> None:
-        raise NotImplementedError
+        """The client is gone, or nothing more will be written to it: every exchange ends."""
+        for exchange in (self.active, *self.queue):
+            if exchange is not None:
+                exchange.client_lost()
+        self.active = None
+        self.queue.clear()
 
     def exchange_cut(self, exchange: object) -> None:
         """The active exchange ended without a clean end: the client must see it."""

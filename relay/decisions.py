@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import TypeVar
 
 from relay.core.decide import FeedState, Settings, decide
+from relay.core.headers import fields_size
 from relay.core.model import Decision, Forward, Reason, RequestHead
 from relay.core.routes import RouteTable
 
@@ -60,10 +61,7 @@ def small(head: RequestHead) -> bool:
 
     Only asked after a full ``decide``, which this costs a few percent of (a loop over at
     most ``MEMO_FIELDS`` fields): a remembered head is never measured again."""
-    size = len(head.target)
-    for name, value in head.headers:
-        size += len(name) + len(value)
-    return size <= MEMO_BYTES
+    return len(head.target) + fields_size(head.headers) <= MEMO_BYTES
 
 
 class DecisionMemory:

@@ -222,13 +222,9 @@ class Respond:
         assert isinstance(decision, Forward)
         if status == 101:
             if not decision.websocket:
-                self.status = 0
-                self.response_malformed("upstream: unsolicited 101")
-                return -1
+                return self._unrelayable("upstream: unsolicited 101")
             if not header_rules.accepts_websocket(headers):
-                self.status = 0
-                self.response_malformed("upstream: 101 without Upgrade: websocket")
-                return -1
+                return self._unrelayable("upstream: 101 without Upgrade: websocket")
             self._out.append(responses.upgrade_head(reason, headers))
             return -1
         plan = responses.plan_response(
@@ -241,9 +237,7 @@ class Respond:
             decision.websocket,
         )
         if plan.unrelayable:
-            self.status = 0
-            self.response_malformed(plan.unrelayable)
-            return -1
+            return self._unrelayable(plan.unrelayable)
         self._client_framing = plan.framing
         self.keep_alive = plan.keep_alive
         if plan.connect_stream:
@@ -257,6 +251,12 @@ class Respond:
             if self.request_complete:
                 self._finish()
         return plan.length
+
+    def _unrelayable(self, why: str) -> int:
+        """A head relay will not pass on: nothing was written, so the client gets a 502."""
+        self.status = 0
+        self.response_malformed(why)
+        return -1
 
     def response_body(self, body: bytes) -> None:
         if self.response_complete:

@@ -179,13 +179,6 @@ class ClientConnection(Closing, asyncio.Protocol):
         self._end_exchanges()
         self.parser = None
 
-    def _end_exchanges(self) -> None:
-        for exchange in (self.active, *self.queue):
-            if exchange is not None:
-                exchange.client_lost()
-        self.active = None
-        self.queue.clear()
-
     def pause_writing(self) -> None:
         self.write_paused = True
         if self.splice is not None:

@@ -73,6 +73,14 @@ def connection_tokens(values: list[bytes] | None) -> frozenset[bytes]:
     )
 
 
+def fields_size(headers: Headers) -> int:
+    """Bytes of the fields' names and values (what a memo keyed by them keeps a copy of)."""
+    size = 0
+    for name, value in headers:
+        size += len(name) + len(value)
+    return size
+
+
 def accepts_websocket(headers: Headers) -> bool:
     """A 101 that completes a WebSocket handshake names it: ``Upgrade: websocket`` and
     ``Connection: upgrade`` (RFC 6455 §4.1, the client's checks of the server's answer).
@@ -82,8 +90,9 @@ def accepts_websocket(headers: Headers) -> bool:
     on looking like one.
     """
     fields = index(headers)
-    upgrade = {t.strip().lower() for v in fields.get(b"upgrade", ()) for t in v.split(b",")}
-    return b"websocket" in upgrade and b"upgrade" in connection_tokens(fields.get(b"connection"))
+    return b"websocket" in connection_tokens(fields.get(b"upgrade")) and b"upgrade" in (
+        connection_tokens(fields.get(b"connection"))
+    )
 
 
 def repeated_singleton(fields: dict[bytes, list[bytes]]) -> bytes | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relay.core.headers import HOP_BY_HOP, connection_tokens
+from relay.core.headers import HOP_BY_HOP, connection_tokens, fields_size
 from relay.core.model import Framing, Headers
 
 CONNECT_TYPE = b"application/connect+json"
@@ -95,7 +95,9 @@ def end_to_end(headers: Headers) -> tuple[list[tuple[bytes, bytes]], dict[bytes,
 PLAN_MEMORY = 1024
 PLAN_MEMO_FIELDS = 32
 PLAN_MEMO_BYTES = 4096
-_PLANS: dict[tuple[object, ...], ResponsePlan] = {}
+# status, reason, fields, request method, client version, keep-alive, websocket
+PlanKey = tuple[int, bytes, Headers, bytes, str, bool, bool]
+_PLANS: dict[PlanKey, ResponsePlan] = {}
 
 
 def plan_response(
@@ -113,19 +115,16 @@ def plan_response(
     static answers, envd's stream heads), and planning one costs more than hashing it. The
     plan is shared, so nothing may mutate it.
     """
+    key: PlanKey = (status, reason, headers, method, client_version, keep_alive, websocket)
     if len(headers) > PLAN_MEMO_FIELDS:
         # Never remembered, so not looked for: the lookup would only hash every field.
-        return _plan(status, reason, headers, method, client_version, keep_alive, websocket)
-    key = (status, reason, headers, method, client_version, keep_alive, websocket)
+        return _plan(*key)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(status, reason, headers, method, client_version, keep_alive, websocket)
+        plan = _plan(*key)
         # Measured once, on a miss (a loop over at most PLAN_MEMO_FIELDS fields, a small
         # share of planning): a remembered head is never measured again.
-        size = len(reason)
-        for name, value in headers:
-            size += len(name) + len(value)
-        if size <= PLAN_MEMO_BYTES:
+        if len(reason) + fields_size(headers) <= PLAN_MEMO_BYTES:
             if len(_PLANS) >= PLAN_MEMORY:
                 _PLANS.clear()
             _PLANS[key] = plan
