@@ -118,10 +118,10 @@ def plan_response(
     key: PlanKey = (status, reason, headers, method, client_version, keep_alive, websocket)
     if len(headers) > PLAN_MEMO_FIELDS:
         # Never remembered, so not looked for: the lookup would only hash every field.
-        return _plan(*key)
+        return _plan(key)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(*key)
+        plan = _plan(key)
         # Measured once, on a miss (a loop over at most PLAN_MEMO_FIELDS fields, a small
         # share of planning): a remembered head is never measured again.
         if len(reason) + fields_size(headers) <= PLAN_MEMO_BYTES:
@@ -131,15 +131,8 @@ def plan_response(
     return plan
 
 
-def _plan(
-    status: int,
-    reason: bytes,
-    headers: Headers,
-    method: bytes,
-    client_version: str,
-    keep_alive: bool,
-    websocket: bool,
-) -> ResponsePlan:
+def _plan(key: PlanKey) -> ResponsePlan:
+    status, reason, headers, method, client_version, keep_alive, websocket = key
     out, seen = end_to_end(headers)
     length = seen.get(b"content-length")
     ends_at_head = method == b"HEAD"
