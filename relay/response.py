@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 
 from relay.core import headers as header_rules
+from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
 
 if TYPE_CHECKING:
     from relay.core.model import Headers
@@ -114,14 +115,19 @@ DETACHED: Events = _Detached()
 class ResponseReader:
     __slots__ = (
         "_body_left",
+        "_body_seen",
+        "_ended",
         "_extra",
+        "_first",
         "_head_bytes",
         "_headers",
         "_in_head",
+        "_key",
         "_moved",
         "_owner",
         "_reason",
         "_release",
+        "_seen",
         "_stalled",
         "feeding",
         "interim",
@@ -160,6 +166,13 @@ class ResponseReader:
         # head, the rest of such a body is copied straight to the client (_pass_body), not
         # through llhttp's on_body, which would copy every chunk once more.
         self._body_left = -1
+        # The next read is the first of this response: llhttp waits at a message start, so a
+        # remembered head may stand in for it (_remembered).
+        self._first = True
+        self._key: bytes | None = None  # this read's head, to remember if llhttp agrees
+        self._seen: KnownResponse | None = None  # what llhttp reported for it
+        self._body_seen = 0  # body bytes llhttp delivered in this read
+        self._ended = False  # and the response ended in this read
 
     def unbind(self) -> None:
         """The exchange is over: it is no longer reported to (and no longer kept alive by this
@@ -177,6 +190,7 @@ class ResponseReader:
             self._feed(data)
         finally:
             self.feeding = False
+            self._key = self._seen = None  # only the read that set them may remember
             release, self._release = self._release, None
             if release is not None:
                 conn, pool = release
@@ -193,10 +207,16 @@ class ResponseReader:
         if parser is None:
             return
         owner = self._owner
+        if self._first:
+            self._first = False
+            if self._remembered(data, owner):
+                return
         conn = owner.upstream
         self._moved = False
         try:
             parser.feed_data(data)
+            if self._key is not None:
+                self._remember(len(data))
             owner.flush()
         except httptools.HttpParserUpgrade as upgrade:
             owner.response_upgrade(data[upgrade.args[0] :])
@@ -226,6 +246,56 @@ class ResponseReader:
             self._stalled += len(data)
         if self._stalled > RESPONSE_HEAD_LIMIT or self._head_bytes > RESPONSE_HEAD_LIMIT:
             owner.response_malformed("upstream: response head or trailers too large")
+
+    def _remembered(self, data: bytes, owner: Events) -> bool:
+        """A whole response whose head was seen before: its events without llhttp.
+
+        Remembered is only what llhttp reported when it parsed, from a message start, a read
+        that was exactly that head and a body of the same length, ending the response (see
+        _remember): the same bytes from the same state give llhttp the same results, so the
+        events here are the ones llhttp would cause, in its order. llhttp itself stays at the
+        message start, where it would be after the response.
+        """
+        end = data.find(b"\r\n\r\n", 0, KNOWN_HEAD_BYTES)
+        if end < 0 or owner.response_complete:
+            return False
+        cut = end + 4
+        key = data[:cut]
+        known = RESPONSES.get(key)
+        if known is None or len(data) - cut != known.length:
+            self._key = key
+            return False
+        status, reason, headers, keep, length = known
+        self._moved = True
+        self._stalled = 0
+        self.interim = False
+        try:
+            # llhttp's on_headers_complete, on_body and on_message_complete, as below; each
+            # asks the reader's owner afresh, as an exchange that ends unbinds the reader.
+            self._body_left = left = owner.response_head(status, reason, headers, keep)
+            if length:
+                if left > 0:
+                    self._body_left = left - length
+                self._owner.response_body(data[cut:])
+            self._owner.response_end()
+        except Exception as exc:  # what llhttp does with a callback's exception (_feed)
+            owner.internal_error(exc)
+            return True
+        owner.flush()
+        return True
+
+    def _remember(self, size: int) -> None:
+        """After llhttp parsed the first read of a response: remember its head if that read
+        was exactly one whole final response and its body in one piece (no interim response,
+        nothing after it; so not chunked, whose framing is not body)."""
+        key, seen, self._key, self._seen = self._key, self._seen, None, None
+        if (
+            key is not None
+            and seen is not None
+            and self._ended
+            and size == len(key) + self._body_seen
+        ):
+            remember(RESPONSES, key, seen._replace(length=self._body_seen), len(seen.headers))
 
     def _pass_body(self, data: bytes) -> None:
         """The rest of a Content-Length body: counted down, written as received (SPEC §4)."""
@@ -295,12 +365,15 @@ class ResponseReader:
             return
         self.interim = False
         keep = parser.should_keep_alive()
+        if self._key is not None and keep:  # else llhttp ends closed, not at a message start
+            self._seen = KnownResponse(status, self._reason, headers, keep, 0)
         self._body_left = owner.response_head(status, self._reason, headers, keep)
 
     def on_body(self, body: bytes) -> None:
         self._moved = True
         if self.interim:
             return
+        self._body_seen += len(body)
         if self._body_left > 0:
             self._body_left -= len(body)
         self._owner.response_body(body)
@@ -310,4 +383,5 @@ class ResponseReader:
         if self.interim:
             self.interim = False
             return
+        self._ended = True
         self._owner.response_end()

@@ -29,6 +29,7 @@ from relay.closing import Closing
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_QUEUE, PAUSE_UPGRADE
 from relay.forward import Exchange
+from relay.heads import KNOWN_HEAD_BYTES, REQUESTS, KnownRequest, remember
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
@@ -43,7 +44,9 @@ class ClientConnection(Closing, asyncio.Protocol):
         "_head_bytes",
         "_headers",
         "_in_head",
+        "_key",
         "_moved",
+        "_seen",
         "_stalled",
         "_starting",
         "_url",
@@ -65,6 +68,8 @@ class ClientConnection(Closing, asyncio.Protocol):
         self._head_bytes = 0
         self._head_raw = 0
         self._in_head = False
+        self._key: bytes | None = None  # a read that is one whole head: remembered if llhttp agrees
+        self._seen: KnownRequest | None = None  # what llhttp reported for it
         self._mid_message = False  # llhttp is inside a request (head or body)
         self._lingering = 0.0  # time.monotonic() when a lingering close began (close())
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
@@ -112,8 +117,19 @@ class ClientConnection(Closing, asyncio.Protocol):
         if self._in_head or self.active is None:
             self._head_raw += len(data)
         self._moved = False
+        if not self._mid_message and data[-4:] == b"\r\n\r\n":
+            # A read that may be one whole request head without a body (relay.heads).
+            known = REQUESTS.get(data)
+            if known is not None:
+                self._replay(known)
+                return
+            if len(data) <= KNOWN_HEAD_BYTES and data.find(b"\r\n\r\n") == len(data) - 4:
+                self._key = data
         try:
             parser.feed_data(data)
+            key, seen = self._key, self._seen
+            if key is not None and seen is not None and not self._mid_message:
+                remember(REQUESTS, key, seen, len(seen.headers))  # it ended with its head
         except httptools.HttpParserUpgrade as upgrade:
             self.parser = None
             self._mid_message = False  # what follows the handshake is not HTTP
@@ -126,6 +142,8 @@ class ClientConnection(Closing, asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._parse_error(exc)
             return
+        finally:
+            self._key = self._seen = None  # only the read that set them may remember
         limit = self.relay.config.listen.max_header_bytes
         if self._in_head:
             if self._head_raw > limit:
@@ -143,6 +161,19 @@ class ClientConnection(Closing, asyncio.Protocol):
                 self._unparseable(
                     Reject(reason=Reason.HEADERS_TOO_LARGE, detail="Request trailers too large")
                 )
+
+    def _replay(self, known: KnownRequest) -> None:
+        """llhttp's callbacks for a request head it parsed before, in its order (relay.heads):
+        the read is exactly that head, the connection is at the start of a message, and the
+        request has no body, so it also ends here."""
+        self._moved = True
+        self._stalled = 0
+        try:
+            self.on_message_begin()
+            self._head(known, upgrade=False)
+            self.on_message_complete()
+        except Exception as exc:  # what data_received does with a callback's exception
+            self.internal_error(exc)
 
     def eof_received(self) -> bool:
         # A client half-close ends the connection once the running response is written;
@@ -220,31 +251,45 @@ class ClientConnection(Closing, asyncio.Protocol):
             # An earlier request in this same read was refused and the connection is closing
             # (llhttp goes on through the rest of the buffer): this one is never served.
             return
+        method = parser.get_method()
+        keep_alive = parser.should_keep_alive()
+        # SPEC §5a: the limit counts the request line and all header lines.
+        size = len(method) + len(self._url) + 12 + self._head_bytes
+        known = KnownRequest(
+            method, self._url, parser.get_http_version(), tuple(self._headers), keep_alive, size
+        )
+        # Not a request that closes: llhttp does not wait for another message after it, so
+        # the state it ends in is not the one a replay leaves it in. (An upgrade stops llhttp
+        # with an exception, so its head is never remembered either.)
+        if self._key is not None and keep_alive:
+            self._seen = known
+        self._head(known, upgrade=parser.should_upgrade())
+
+    def _head(self, known: KnownRequest, *, upgrade: bool) -> None:
+        """A whole request head, from llhttp or remembered (_replay)."""
+        method, target, version, headers, keep_alive, size = known
         self._in_head = False
         self.requests += 1
         self._moved = True
-        method = parser.get_method()
-        # SPEC §5a: the limit counts the request line and all header lines.
-        size = len(method) + len(self._url) + 12 + self._head_bytes
         if size > self.relay.config.listen.max_header_bytes:
             self.relay.timers.head_done(self)
             self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))  # in order, as above
             return
         head = RequestHead(
             method=method,
-            target=self._url,
-            version=parser.get_http_version(),
-            headers=tuple(self._headers),
+            target=target,
+            version=version,
+            headers=headers,
             peer=self.peer,
             tls=self.tls,
-            upgrade=parser.should_upgrade(),
+            upgrade=upgrade,
         )
         if self.overloaded:
             # SPEC §5a: past listen.max_connections relay answers 503 and closes.
             self.relay.timers.head_done(self)
             self.refuse(Reject(reason=Reason.OVERLOADED, retry_after=1))
             return
-        exchange = Exchange(self, head, keep_alive=parser.should_keep_alive())
+        exchange = Exchange(self, head, keep_alive=keep_alive)
         self.receiving = exchange
         if self.active is None:
             self.active = exchange
