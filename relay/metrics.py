@@ -303,6 +303,43 @@ def read_snapshots(directory: Path) -> dict[int, Snapshot]:
             snap = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being replaced, or truncated by a crash: the next scrape reads it
-        if isinstance(snap, dict) and isinstance(snap.get("pid"), int):
+        if isinstance(snap, dict) and isinstance(snap.get("pid"), int) and well_formed(snap):
             out[snap["pid"]] = snap
     return out
+
+
+def well_formed(snap: Snapshot) -> bool:
+    """Whether every series in ``snap`` has the shape :func:`families` reads, so that one odd
+    file (another version's, or written by hand) costs its own series, not the scrape."""
+    for section in ("counters", "gauges", "histograms"):
+        series = snap.get(section, {})
+        if not isinstance(series, dict):
+            return False
+        for name, items in series.items():
+            spec = SPECS.get(name)
+            if spec is None:
+                continue  # families() reads only the names it knows
+            if not isinstance(items, list) or not all(_point(spec, i, section) for i in items):
+                return False
+    return True
+
+
+def _point(spec: Spec, item: object, section: str) -> bool:
+    def number(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    if not isinstance(item, list) or not item or not isinstance(item[0], list):
+        return False
+    labels = item[0]
+    if len(labels) != len(spec.labels) or not all(isinstance(v, str) for v in labels):
+        return False
+    if section != "histograms":
+        return spec.kind != "histogram" and len(item) == 2 and number(item[1])
+    counts = item[1] if len(item) == 3 else None
+    return (
+        spec.kind == "histogram"
+        and isinstance(counts, list)
+        and len(counts) == len(spec.buckets) + 1
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in counts)
+        and number(item[2])
+    )

@@ -64,6 +64,28 @@ def test_snapshot_files_round_trip(tmp_path: Path) -> None:
     assert list(read_snapshots(tmp_path)) == [7]
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"counters": []},
+        {"counters": {"relay_requests": 5}},
+        {"counters": {"relay_requests": [[["app"], 1]]}},  # one label short
+        {"counters": {"relay_requests": [[["app", "2xx"], "1"]]}},
+        {"gauges": {"relay_routes": [[[], None]]}},
+        {"histograms": {"relay_upstream_connect_seconds": [[[], [1, 2], 0.5]]}},
+        {"histograms": {"relay_requests": [[["app", "2xx"], [1], 0.5]]}},
+    ],
+)
+def test_a_snapshot_of_the_wrong_shape_is_skipped(tmp_path: Path, odd: dict[str, Any]) -> None:
+    """Valid JSON in the wrong shape (another version's file, or one written by hand) is left
+    out like a torn one: the supervisor's /metrics still answers with the others."""
+    write_snapshot(tmp_path, _snap(7, 1, 1, 1))
+    (tmp_path / "9.json").write_text(json.dumps({"pid": 9, **odd}))
+    snaps = read_snapshots(tmp_path)
+    assert list(snaps) == [7]
+    assert list(families(list(snaps.values()), list(snaps.values())))
+
+
 def test_every_spec_has_bounded_labels() -> None:
     allowed = {"kind", "status_class", "reason", "direction", "source", "result", "version"}
     for name, spec in SPECS.items():
