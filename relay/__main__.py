@@ -96,12 +96,13 @@ def _serve(args: argparse.Namespace) -> int:
     from relay import workers  # noqa: PLC0415
     from relay.runtime import serve  # noqa: PLC0415
     from relay.startup import StartupError, tune_allocator, tune_gc  # noqa: PLC0415
+    from relay.supervision import supervises  # noqa: PLC0415
 
     tune_allocator()
     tune_gc()
 
     try:
-        if workers.supervises(config):  # process.workers > 1 (relay.workers)
+        if supervises(config):  # process.workers > 1 (relay.workers)
             return workers.supervise(config, args.log_level)
         uvloop.run(serve(config))
     except StartupError as exc:

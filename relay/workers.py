@@ -19,8 +19,8 @@ The supervisor owns what there must be one of:
   feed); ``/metrics`` merges the workers' snapshot files (``relay.metrics``) and adds the
   supervisor's own ``process_*``/``python_*`` families (handlers in :mod:`relay.admin`).
 - **restarts**: a worker that exits while relay is not stopping is restarted after
-  :func:`restart_delay` (exponential backoff, reset once a worker has run for
-  :data:`STABLE_S`). A worker that dies before all workers were first ready stops the whole
+  :func:`relay.supervision.restart_delay` (exponential backoff, reset once a worker has run
+  for ``STABLE_S``). A worker that dies before all workers were first ready stops the whole
   relay instead (exit 2 for a configuration error, else 1): a broken start would only loop.
 """
 
@@ -38,7 +38,6 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,81 +45,26 @@ from typing import Any
 from aiohttp import web
 
 from relay import admin
-from relay.config import Config, ConfigError, load, split_address
-from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV
-from relay.preflight import host_checks
+from relay.config import Config, load, split_address
+from relay.supervision import (
+    next_failures,
+    parse_notification,
+    preflight,
+    restart_delay,
+    startup_exit_code,
+    worker_env,
+)
 from relay.systemd import Notifier
 
 log = logging.getLogger("relay.workers")
 
-BACKOFF_FIRST_S = 0.2
-BACKOFF_MAX_S = 10.0
-STABLE_S = 30.0
 WORKER_WATCHDOG_S = 30.0  # a ready worker that has not pinged for this long is killed
 KILL_GRACE_S = 5.0  # after drain_timeout_s, before stragglers get SIGKILL
+# After a SIGHUP, READY=1 goes to systemd once every worker has reloaded (said READY=1 again),
+# or after this long with a warning: a worker's reload is a few file reads, and one that never
+# answers is the watchdog's to kill, not a reason to leave the unit "reloading" for ever.
+RELOAD_WAIT_S = 30.0
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-# -- pure decisions ---------------------------------------------------------------------------
-def restart_delay(failures: int) -> float:
-    """Seconds to wait before restarting a worker that failed ``failures`` times in a row."""
-    if failures <= 0:
-        return 0.0
-    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1)))
-
-
-def next_failures(previous: int, ran_for_s: float) -> int:
-    """Consecutive failures after a worker exits: a long enough run resets the count."""
-    return 1 if ran_for_s >= STABLE_S else previous + 1
-
-
-def parse_notification(data: bytes) -> dict[str, str]:
-    """``KEY=VALUE`` lines of an sd_notify datagram."""
-    out = {}
-    for line in data.decode("utf-8", "replace").splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key:
-            out[key] = value
-    return out
-
-
-def startup_exit_code(returncode: int | None) -> int:
-    """The supervisor's exit code when a worker died during start-up."""
-    return 2 if returncode == 2 else 1
-
-
-def worker_env(
-    base: Mapping[str, str], index: int, run_dir: Path, watchdog_s: float
-) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in base.items()
-        if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
-    }
-    env[WORKER_ENV] = str(index)
-    env[RUN_DIR_ENV] = str(run_dir)
-    env["NOTIFY_SOCKET"] = str(run_dir / "notify.sock")
-    env["WATCHDOG_USEC"] = str(int(watchdog_s * 1_000_000))
-    return env
-
-
-def preflight(config: Config) -> None:
-    """What the workers would each refuse, checked once before any is spawned (exit 2)."""
-    for i, address in enumerate(config.listen.addresses):
-        parsed = split_address(address)
-        if parsed is not None and parsed[1] == 0:
-            raise ConfigError(
-                f"listen.address[{i}]: port 0 with process.workers > 1 would give each worker "
-                "a different port"
-            )
-    if config.source is None:
-        raise ConfigError("process.workers: workers need a configuration file to start from")
-    host_checks(config)
-
-
-def supervises(config: Config, env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return config.process.workers > 1 and WORKER_ENV not in env
 
 
 # -- the supervisor ---------------------------------------------------------------------------
@@ -135,6 +79,7 @@ class Worker:
     restarts: int = 0
     status: str = ""
     reload_pending: bool = False  # a SIGHUP came before it was ready: sent once it is
+    reloading: bool = False  # sent SIGHUP; READY=1 from it means the reload is done
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -159,6 +104,7 @@ class Supervisor:
         self._admin: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.admin_bound: tuple[str, int] | None = None
+        self._reload_wait: asyncio.TimerHandle | None = None  # systemd waits for READY=1
 
     # -- run --------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -255,6 +201,9 @@ class Supervisor:
         code = await proc.wait()
         ran_for = time.monotonic() - worker.started_at
         worker.ready = False
+        if worker.reloading or worker.reload_pending:
+            worker.reloading = worker.reload_pending = False
+            self._reloaded()  # its replacement starts with the new file
         if self.draining or self.stop.is_set():
             log.info("worker %d (pid %d) exited: %s", worker.index, proc.pid, code)
             return
@@ -324,11 +273,15 @@ class Supervisor:
         worker.last_ping = time.monotonic()
         if "STATUS" in fields:
             worker.status = fields["STATUS"]
-        if fields.get("READY") == "1" and not worker.ready:
+        if fields.get("READY") == "1" and worker.ready and worker.reloading:
+            worker.reloading = False
+            self._reloaded()
+        elif fields.get("READY") == "1" and not worker.ready:
             worker.ready = True
             log.info("worker %d (pid %s) ready", worker.index, worker.pid)
             if worker.reload_pending:
                 worker.reload_pending = False
+                worker.reloading = True
                 self._signal(worker, signal.SIGHUP)
             if all(w.ready for w in self.workers) and not self.all_ready.is_set():
                 self.all_ready.set()
@@ -353,11 +306,35 @@ class Supervisor:
         self._reload_own_settings()
         for worker in self.workers:
             if worker.ready:
+                worker.reloading = True
                 self._signal(worker, signal.SIGHUP)
             else:
                 # A worker still starting has not installed its handler yet: SIGHUP's default
                 # action would kill it. It gets the signal once it says READY.
                 worker.reload_pending = True
+        if self._reload_wait is not None:
+            self._reload_wait.cancel()
+        loop = asyncio.get_running_loop()
+        self._reload_wait = loop.call_later(RELOAD_WAIT_S, self._reloaded, True)
+        self._reloaded()
+
+    def _reloaded(self, timed_out: bool = False) -> None:
+        """READY=1 to systemd once no worker is still reloading (RELOADING=1 went at SIGHUP).
+
+        A worker that dies meanwhile counts as reloaded: its replacement reads the new file.
+        (Two SIGHUPs in a row may be coalesced by a worker into one reload; the first READY=1
+        then ends the wait for both.)"""
+        if self._reload_wait is None:
+            return
+        busy = [w for w in self.workers if w.reloading or w.reload_pending]
+        if busy and not timed_out:
+            return
+        if busy:
+            log.warning(
+                "reload: %d worker(s) did not report within %.0fs", len(busy), RELOAD_WAIT_S
+            )
+        self._reload_wait.cancel()
+        self._reload_wait = None
         self.notifier.ready(self._status())
 
     def _reload_own_settings(self) -> None:

@@ -15,11 +15,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from relay import workers
 from relay.config import ConfigError, load, parse
-from relay.workers import (
+from relay.supervision import (
     BACKOFF_MAX_S,
     STABLE_S,
-    Supervisor,
     next_failures,
     parse_notification,
     preflight,
@@ -28,6 +28,7 @@ from relay.workers import (
     supervises,
     worker_env,
 )
+from relay.workers import Supervisor
 from tests.support.harness import (
     DOMAIN,
     RelayProcess,
@@ -305,12 +306,12 @@ class _Running:
     ],
     ids=["toml", "superscript-port", "huge-float"],
 )
-def test_a_reload_of_a_broken_file_is_still_forwarded(
+async def test_a_reload_of_a_broken_file_is_still_forwarded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
 ) -> None:
     """Whatever the edited file holds, the supervisor forwards SIGHUP to ready workers (they
     report what is wrong), marks starting ones, keeps its drain timeout and tells systemd
-    it is ready again."""
+    it is ready again once they have all reloaded."""
     path = tmp_path / "relay.toml"
     path.write_text("[process]\nworkers = 2\ndrain_timeout_s = 7\n")
     supervisor = Supervisor(load(path), "info")
@@ -327,4 +328,74 @@ def test_a_reload_of_a_broken_file_is_still_forwarded(
     assert sent == [(111, signal.SIGHUP)]
     assert supervisor.workers[1].reload_pending
     assert supervisor.config.process.drain_timeout_s == 7
+    assert notes == ["RELOADING"]
+    supervisor._worker_says(supervisor.workers[0], {"READY": "1"})  # reloaded
+    supervisor._worker_says(supervisor.workers[1], {"READY": "1"})  # started: now SIGHUP
+    assert sent[-1] == (222, signal.SIGHUP)
+    assert notes == ["RELOADING"]
+    supervisor._worker_says(supervisor.workers[1], {"READY": "1"})  # reloaded
+    assert notes == ["RELOADING", "READY"]
+
+
+def _supervisor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, notes: list[str]) -> Supervisor:
+    """Two ready workers (pids 111, 222); signals and notifications recorded, not sent."""
+    path = tmp_path / "relay.toml"
+    path.write_text("[process]\nworkers = 2\n")
+    supervisor = Supervisor(load(path), "info")
+    for worker, pid in zip(supervisor.workers, (111, 222), strict=True):
+        worker.proc = _Running(pid)  # type: ignore[assignment]
+        worker.ready = True
+    monkeypatch.setattr(os, "kill", lambda pid, sig: None)
+    monkeypatch.setattr(supervisor.notifier, "reloading", lambda: notes.append("RELOADING"))
+    monkeypatch.setattr(supervisor.notifier, "ready", lambda _status: notes.append("READY"))
+    return supervisor
+
+
+async def test_ready_after_a_reload_waits_for_every_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd keeps the unit "reloading" from RELOADING=1 to READY=1: `systemctl reload`
+    followed by a request must meet the new settings in every worker, so READY=1 waits for
+    each worker's own READY=1 after its reload. A status line is not a reload."""
+    notes: list[str] = []
+    supervisor = _supervisor(tmp_path, monkeypatch, notes)
+    supervisor._on_reload_signal()
+    supervisor._worker_says(supervisor.workers[1], {"STATUS": "ready: 1 route(s)"})
+    supervisor._worker_says(supervisor.workers[1], {"READY": "1"})
+    assert notes == ["RELOADING"]
+    supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
+    assert notes == ["RELOADING", "READY"]
+    supervisor._worker_says(supervisor.workers[0], {"READY": "1"})  # not a second READY
+    assert notes == ["RELOADING", "READY"]
+
+
+async def test_a_reload_that_a_worker_never_finishes_ends_after_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    notes: list[str] = []
+    supervisor = _supervisor(tmp_path, monkeypatch, notes)
+    monkeypatch.setattr(workers, "RELOAD_WAIT_S", 0.05)
+    supervisor._on_reload_signal()
+    supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
+    await asyncio.sleep(0.2)
+    assert notes == ["RELOADING", "READY"]
+    assert "1 worker(s) did not report" in caplog.text
+
+
+class _Exiting(_Running):
+    async def wait(self) -> int:
+        return 1
+
+
+async def test_a_worker_that_dies_while_reloading_counts_as_reloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its replacement starts with the new file: systemd is not kept waiting for it."""
+    notes: list[str] = []
+    supervisor = _supervisor(tmp_path, monkeypatch, notes)
+    supervisor._on_reload_signal()
+    supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
+    supervisor.stop.set()  # no restart in this test
+    dying = _Exiting(222)
+    await supervisor._wait_worker(supervisor.workers[1], dying)  # type: ignore[arg-type]
     assert notes == ["RELOADING", "READY"]
