@@ -3,9 +3,9 @@
 :class:`Closing` holds the methods of :class:`relay.server.ClientConnection` that end a
 connection or answer what cannot be served: relay's own refusal of a request it could not
 parse or admit, the orderly close after the last answer (with a lingering close when the
-client may still be sending, RFC 9112 §9.6), the abort, the header timeout, and what a parse
-error or a bug in a callback leads to. ``relay.server`` keeps the rest: reading requests with
-llhttp, starting exchanges in order, flow control and writes.
+client may still be sending, RFC 9112 §9.6), the abort, the header timeout, the client's
+half-close, and what a parse error or a bug in a callback leads to. ``relay.server`` keeps
+the rest: reading requests with llhttp, starting exchanges in order, flow control and writes.
 
 Why a base class and not an object of its own: both halves read and write the same fields of
 the one connection; the annotations below are those fields, and ``ClientConnection`` owns
@@ -41,6 +41,7 @@ class Closing:
 
     # The fields both halves use (ClientConnection sets them in __init__ and adds its own).
     __slots__ = (
+        "_client_eof",
         "_head_raw",
         "_lingering",
         "_mid_message",
@@ -69,6 +70,8 @@ class Closing:
     _paused: int
     _mid_message: bool
     _lingering: float
+    _client_eof: bool
+    tls: bool
 
     def write(self, data: bytes) -> None:
         raise NotImplementedError  # ClientConnection.write, through the relay's outbox
@@ -80,6 +83,32 @@ class Closing:
                 exchange.client_lost()
         self.active = None
         self.queue.clear()
+
+    def eof_received(self) -> bool:
+        # A client half-close ends the connection once the running response is written;
+        # HTTP/1.1 gives a half-closed client no way to send another request.
+        # Over TLS asyncio closes the connection at EOF whatever this returns (a half-closed
+        # TLS stream cannot carry the rest of a response), so only plain TCP keeps it.
+        self.relay.outbox.flush()  # uvloop closes the transport on False: held bytes first
+        self._mid_message = False  # the client sends nothing more: no lingering needed
+        if self.receiving is not None and not self.closing:
+            # RFC 9112 §6.3/§8: a request body cut short by the client's FIN can never be
+            # completed; the upstream would wait for the rest for ever.
+            self._unparseable(
+                Reject(
+                    reason=Reason.BAD_REQUEST,
+                    detail="Incomplete request body: the client closed its side",
+                )
+            )
+        transport = self.transport
+        if self.active is None or self.tls or transport is None or transport.is_closing():
+            return False
+        if self._lingering:
+            return False  # the answer went out before the linger began
+        # Requests already read are still answered, in order (a client may send its last
+        # pipelined requests and half-close); then the connection closes.
+        self._client_eof = True
+        return True
 
     def exchange_cut(self, exchange: object) -> None:
         """The active exchange ended without a clean end: the client must see it."""

@@ -40,10 +40,11 @@ log = logging.getLogger("relay.server")
 
 class ClientConnection(Closing, asyncio.Protocol):
     __slots__ = (
-        "_client_eof",
+        "_at_start",
         "_head_bytes",
         "_headers",
         "_in_head",
+        "_keep",
         "_key",
         "_moved",
         "_seen",
@@ -71,6 +72,11 @@ class ClientConnection(Closing, asyncio.Protocol):
         self._key: bytes | None = None  # a read that is one whole head: remembered if llhttp agrees
         self._seen: KnownRequest | None = None  # what llhttp reported for it
         self._mid_message = False  # llhttp is inside a request (head or body)
+        # llhttp waits for the first byte of a request it will read: not inside one, and not
+        # after one that closes the connection (it refuses what follows that). Unlike
+        # _mid_message, a refusal's close() does not set it. Replays need it (relay.heads).
+        self._at_start = True
+        self._keep = True  # the current request lets the connection carry another
         self._lingering = 0.0  # time.monotonic() when a lingering close began (close())
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
         self._stalled = 0  # bytes fed since llhttp last delivered any of those
@@ -117,7 +123,7 @@ class ClientConnection(Closing, asyncio.Protocol):
         if self._in_head or self.active is None:
             self._head_raw += len(data)
         self._moved = False
-        if not self._mid_message and data[-4:] == b"\r\n\r\n":
+        if self._at_start and data[-4:] == b"\r\n\r\n":
             # A read that may be one whole request head without a body (relay.heads).
             known = REQUESTS.get(data)
             if known is not None:
@@ -128,8 +134,10 @@ class ClientConnection(Closing, asyncio.Protocol):
         try:
             parser.feed_data(data)
             key, seen = self._key, self._seen
-            if key is not None and seen is not None and not self._mid_message:
-                remember(REQUESTS, key, seen, len(seen.headers))  # it ended with its head
+            if key is not None and seen is not None and self._at_start:
+                # llhttp ended the request with its head and waits for another (a refusal
+                # before the body, which closes, leaves _at_start unset: found by review).
+                remember(REQUESTS, key, seen, len(seen.headers))
         except httptools.HttpParserUpgrade as upgrade:
             self.parser = None
             self._mid_message = False  # what follows the handshake is not HTTP
@@ -175,32 +183,6 @@ class ClientConnection(Closing, asyncio.Protocol):
         except Exception as exc:  # what data_received does with a callback's exception
             self.internal_error(exc)
 
-    def eof_received(self) -> bool:
-        # A client half-close ends the connection once the running response is written;
-        # HTTP/1.1 gives a half-closed client no way to send another request.
-        # Over TLS asyncio closes the connection at EOF whatever this returns (a half-closed
-        # TLS stream cannot carry the rest of a response), so only plain TCP keeps it.
-        self.relay.outbox.flush()  # uvloop closes the transport on False: held bytes first
-        self._mid_message = False  # the client sends nothing more: no lingering needed
-        if self.receiving is not None and not self.closing:
-            # RFC 9112 §6.3/§8: a request body cut short by the client's FIN can never be
-            # completed; the upstream would wait for the rest for ever.
-            self._unparseable(
-                Reject(
-                    reason=Reason.BAD_REQUEST,
-                    detail="Incomplete request body: the client closed its side",
-                )
-            )
-        transport = self.transport
-        if self.active is None or self.tls or transport is None or transport.is_closing():
-            return False
-        if self._lingering:
-            return False  # the answer went out before the linger began
-        # Requests already read are still answered, in order (a client may send its last
-        # pipelined requests and half-close); then the connection closes.
-        self._client_eof = True
-        return True
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.relay.timers.forget(self)
@@ -233,6 +215,7 @@ class ClientConnection(Closing, asyncio.Protocol):
         self._head_bytes = 0
         self._in_head = True
         self._mid_message = True
+        self._at_start = False
         if self.requests:
             self._head_raw = 0
             self.relay.timers.expect_head(self)  # SPEC §5a: from the first byte of a request
@@ -269,6 +252,7 @@ class ClientConnection(Closing, asyncio.Protocol):
         """A whole request head, from llhttp or remembered (_replay)."""
         method, target, version, headers, keep_alive, size = known
         self._in_head = False
+        self._keep = keep_alive
         self.requests += 1
         self._moved = True
         if size > self.relay.config.listen.max_header_bytes:
@@ -309,6 +293,7 @@ class ClientConnection(Closing, asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._moved = True
         self._mid_message = False
+        self._at_start = self._keep
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
             receiving.request_done()

@@ -200,8 +200,16 @@ def test_a_replayed_response_gives_what_llhttp_gives(data: bytes, cut: int) -> N
 # -- requests -------------------------------------------------------------------------------
 
 
-def serve(tmp_path: Path, *reads: bytes, max_header_bytes: int = 0) -> list[Any]:
-    """Each read on a fresh wired relay; what the client and the upstream saw, in order."""
+def serve(
+    tmp_path: Path,
+    *reads: bytes,
+    max_header_bytes: int = 0,
+    overloaded: bool = False,
+    unrouted: bool = False,
+) -> list[Any]:
+    """Each read on a fresh wired relay; what the client and the upstream saw, in order, and
+    how many requests the connection counted."""
+    tmp_path.mkdir(exist_ok=True)
     wired = make_wired(tmp_path)
 
     def no_dial(coro: Any) -> Any:
@@ -212,13 +220,21 @@ def serve(tmp_path: Path, *reads: bytes, max_header_bytes: int = 0) -> list[Any]
     if max_header_bytes:
         limits = wired.relay.config.listen
         object.__setattr__(limits, "max_header_bytes", max_header_bytes)
+    wired.client.overloaded = overloaded
+    if unrouted:
+        wired.relay.install_routes({}, "t")
     for data in reads:
         wired.client.data_received(data)
         wired.turns.end()
     if wired.upstream_transport.events:
         wired.upstream.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         wired.turns.end()
-    return [wired.client_transport.events, wired.upstream_transport.events]
+    return [
+        wired.client_transport.events,
+        wired.upstream_transport.events,
+        wired.client.requests,
+        len(wired.client.queue),
+    ]
 
 
 def test_a_request_head_is_remembered_and_replayed(
@@ -237,7 +253,7 @@ def test_a_remembered_head_inside_a_request_body_is_body(tmp_path: Path) -> None
     goes upstream as body, and is never a second request."""
     serve(tmp_path, REQUEST)
     post = f"POST /up HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {len(REQUEST)}\r\n\r\n"
-    client, upstream = serve(tmp_path, post.encode(), REQUEST)
+    client, upstream, *_ = serve(tmp_path, post.encode(), REQUEST)
     sent = b"".join(data for kind, data in upstream if kind == "write")
     assert sent.endswith(b"\r\n\r\n" + REQUEST)
     assert sent.count(b"GET /a") == 1
@@ -252,9 +268,46 @@ def test_a_head_whose_body_follows_is_not_remembered(tmp_path: Path) -> None:
     assert first[1] == [("write", post), ("write", b"ok")]
 
 
+INNER = f"GET /admin HTTP/1.1\r\nHost: {HOST}\r\nX-Smuggled: 1\r\n\r\n".encode()
+
+
+@pytest.mark.parametrize("how", ["431", "overloaded", "unrouted"])
+def test_a_refused_head_with_a_body_is_not_remembered(tmp_path: Path, how: str) -> None:
+    """Found by review: a head refused before its body was read (a 431 under a lower limit, a
+    503 past max_connections, a 404 with a body past the discard limit) closed the connection,
+    which ended the message for relay but not for llhttp; the head was remembered as one
+    without a body, and a replay elsewhere read the body as a request of its own (INNER here:
+    request smuggling)."""
+    length = 100_000_000 if how == "unrouted" else len(INNER)
+    post = f"POST /up HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: {length}\r\n\r\n".encode()
+    reference = serve(tmp_path / "reference", post, INNER)
+    heads.REQUESTS.clear()
+    serve(
+        tmp_path / "refused",
+        post,
+        max_header_bytes=40 if how == "431" else 0,
+        overloaded=how == "overloaded",
+        unrouted=how == "unrouted",
+    )
+    assert not heads.REQUESTS
+    assert serve(tmp_path / "again", post, INNER) == reference
+    assert reference[2] == 1  # one request: INNER went upstream as its body
+
+
+def test_no_replay_after_a_request_that_closes(tmp_path: Path) -> None:
+    """Found by review: after a request with Connection: close llhttp refuses what follows
+    (a 400 once it is answered); a replay made a second exchange instead."""
+    closing = f"GET /c HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode()
+    reference = serve(tmp_path / "reference", closing, REQUEST)
+    serve(tmp_path / "other", REQUEST)
+    assert REQUEST in heads.REQUESTS
+    assert serve(tmp_path / "again", closing, REQUEST) == reference
+    assert reference[2:] == [1, 0]
+
+
 def test_a_replayed_head_meets_the_current_size_limit(tmp_path: Path) -> None:
     serve(tmp_path, REQUEST)
-    client, upstream = serve(tmp_path, REQUEST, max_header_bytes=len(REQUEST) - 20)
+    client, upstream, *_ = serve(tmp_path, REQUEST, max_header_bytes=len(REQUEST) - 20)
     assert client[0][1].startswith(b"HTTP/1.1 431 ")
     assert not upstream
 
@@ -286,17 +339,31 @@ def requests(draw: st.DrawFn) -> bytes:
     return head + draw(st.sampled_from([b"", b"ok", b"2\r\nok\r\n0\r\n\r\n", REQUEST]))
 
 
+PRIMES: dict[str, dict[str, Any]] = {
+    "same": {},
+    "431": {"max_header_bytes": 40},
+    "overloaded": {"overloaded": True},
+    "unrouted": {"unrouted": True},
+}
+
+
 @settings(max_examples=500)
 @given(
     data=requests(),
     later=st.sampled_from([b"", b"ok", b"2\r\nok\r\n0\r\n\r\n", REQUEST]),
     limit=st.sampled_from([0, 60]),
+    prime=st.sampled_from(sorted(PRIMES)),
 )
 def test_a_replayed_request_gives_what_llhttp_gives(
-    tmp_path_factory: pytest.TempPathFactory, data: bytes, later: bytes, limit: int
+    tmp_path_factory: pytest.TempPathFactory, data: bytes, later: bytes, limit: int, prime: str
 ) -> None:
-    """``later``: what the client sends in its next read (a body, or the next request)."""
-    heads.REQUESTS.clear()
+    """``later``: what the client sends in its next read (a body, or the next request).
+    ``prime``: how the memo met ``data`` and REQUEST first (on other connections, maybe
+    refused there), before the same reads run again with whatever it remembered."""
     tmp_path = tmp_path_factory.mktemp("r")
-    first = serve(tmp_path, data, later, max_header_bytes=limit)
-    assert serve(tmp_path, data, later, max_header_bytes=limit) == first
+    heads.REQUESTS.clear()
+    reference = serve(tmp_path / "reference", data, later, max_header_bytes=limit)
+    heads.REQUESTS.clear()
+    serve(tmp_path / "prime", data, **PRIMES[prime])
+    serve(tmp_path / "prime-request", REQUEST, **PRIMES[prime])
+    assert serve(tmp_path / "again", data, later, max_header_bytes=limit) == reference
