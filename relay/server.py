@@ -46,6 +46,7 @@ class ClientConnection(Closing, asyncio.Protocol):
         "_in_head",
         "_keep",
         "_key",
+        "_last",
         "_moved",
         "_seen",
         "_stalled",
@@ -77,6 +78,9 @@ class ClientConnection(Closing, asyncio.Protocol):
         # _mid_message, a refusal's close() does not set it. Replays need it (relay.heads).
         self._at_start = True
         self._keep = True  # the current request lets the connection carry another
+        # The last replayed head and its RequestHead (immutable): a kept-alive client repeats
+        # its request, and the head is then not built again.
+        self._last: tuple[KnownRequest, RequestHead] | None = None
         self._lingering = 0.0  # time.monotonic() when a lingering close began (close())
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
         self._stalled = 0  # bytes fed since llhttp last delivered any of those
@@ -259,15 +263,21 @@ class ClientConnection(Closing, asyncio.Protocol):
             self.relay.timers.head_done(self)
             self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))  # in order, as above
             return
-        head = RequestHead(
-            method=method,
-            target=target,
-            version=version,
-            headers=headers,
-            peer=self.peer,
-            tls=self.tls,
-            upgrade=upgrade,
-        )
+        last = self._last
+        if last is not None and last[0] is known:
+            head = last[1]
+        else:
+            head = RequestHead(
+                method=method,
+                target=target,
+                version=version,
+                headers=headers,
+                peer=self.peer,
+                tls=self.tls,
+                upgrade=upgrade,
+            )
+            if not upgrade:  # a remembered head (or one about to be: either way immutable)
+                self._last = (known, head)
         if self.overloaded:
             # SPEC §5a: past listen.max_connections relay answers 503 and closes.
             self.relay.timers.head_done(self)

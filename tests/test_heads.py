@@ -20,6 +20,7 @@ from relay.core.model import Headers
 from relay.response import ResponseReader
 from relay.server import ClientConnection
 from tests.support.wired import DOMAIN, make_wired
+from tests.support.wired import Recorder as Transport
 from tests.test_response import Recorder
 
 HOST = f"3000-sbx.{DOMAIN}"
@@ -303,6 +304,33 @@ def test_no_replay_after_a_request_that_closes(tmp_path: Path) -> None:
     assert REQUEST in heads.REQUESTS
     assert serve(tmp_path / "again", closing, REQUEST) == reference
     assert reference[2:] == [1, 0]
+
+
+def test_each_connection_keeps_its_own_peer(tmp_path: Path) -> None:
+    """A connection reuses the head it built for a remembered request (relay/server.py,
+    ``_last``); the head carries the connection's peer, which X-Forwarded-For is made of when
+    the peer is a trusted proxy. Two peers sending the same bytes each get their own."""
+    wired = make_wired(tmp_path, listen={"trusted_proxies": ["127.0.0.0/8"]})
+    other = ClientConnection(wired.relay, tls=False)
+    other_transport = Transport(("127.0.0.2", 40001))
+    other.connection_made(other_transport)  # type: ignore[arg-type]
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    sent = []
+    for client in (wired.client, other, wired.client, other, other):
+        client.data_received(REQUEST)
+        wired.turns.end()
+        sent.append(wired.upstream_transport.events.pop()[1])
+        wired.upstream.data_received(answer)
+        wired.turns.end()
+    assert REQUEST in heads.REQUESTS
+    peers = [line for data in sent for line in data.split(b"\r\n") if b"For:" in line]
+    assert peers == [
+        b"X-Forwarded-For: 127.0.0.1",
+        b"X-Forwarded-For: 127.0.0.2",
+        b"X-Forwarded-For: 127.0.0.1",
+        b"X-Forwarded-For: 127.0.0.2",
+        b"X-Forwarded-For: 127.0.0.2",
+    ]
 
 
 def test_a_replayed_head_meets_the_current_size_limit(tmp_path: Path) -> None:

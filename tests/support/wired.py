@@ -100,13 +100,13 @@ class Wired:
     upstream_transport: Recorder
 
 
-def make_wired(tmp_path: Path, *, busy: int = 0) -> Wired:
+def make_wired(tmp_path: Path, *, busy: int = 0, listen: dict[str, Any] | None = None) -> Wired:
     """A relay whose outbox is bound to a hand-run turn, a client connection and one pooled
-    upstream connection to the sandbox's port 3000, all on recording transports."""
+    upstream connection to the sandbox's port 3000, all on recording transports.
+    ``listen``: settings of the config's ``[listen]`` table."""
     (tmp_path / "routes.json").write_text('{"routes": []}')
-    relay = Relay(
-        parse({"routing": {"domains": [DOMAIN]}, "routes": {"file": "routes.json"}}, tmp_path)
-    )
+    config = {"routing": {"domains": [DOMAIN]}, "routes": {"file": "routes.json"}}
+    relay = Relay(parse({**config, "listen": listen or {}}, tmp_path))
     relay.install_routes({"sbx": Route(sandbox_id="sbx", address="127.0.0.1", insecure=True)}, "t")
     turns = Turns()
     relay.outbox.bind(turns, busy=busy)  # busy=0: every small write held
