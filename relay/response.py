@@ -123,6 +123,7 @@ class ResponseReader:
         "_headers",
         "_in_head",
         "_key",
+        "_last",
         "_moved",
         "_owner",
         "_reason",
@@ -136,6 +137,9 @@ class ResponseReader:
 
     def __init__(self, owner: Events) -> None:
         self.parser: httptools.HttpResponseParser | None = None  # made by bind
+        # The head this connection's last replayed response began with, and what it is: an
+        # upstream repeats its head (until its Date changes), compared then instead of hashed.
+        self._last: tuple[bytes, KnownResponse] | None = None
         self.feeding = False  # inside feed(): llhttp is parsing one upstream read
         self.bind(owner)
 
@@ -256,15 +260,28 @@ class ResponseReader:
         events here are the ones llhttp would cause, in its order. llhttp itself stays at the
         message start, where it would be after the response.
         """
-        end = data.find(b"\r\n\r\n", 0, KNOWN_HEAD_BYTES)
-        if end < 0 or owner.response_complete:
+        if owner.response_complete:
             return False
-        cut = end + 4
-        key = data[:cut]
-        known = RESPONSES.get(key)
-        if known is None or len(data) - cut != known.length:
-            self._key = key
-            return False
+        last = self._last
+        if last is not None and data.startswith(last[0]):
+            # The same head (its first empty line is the key's end): the same response if the
+            # rest is as long as its body.
+            key, known = last
+            cut = len(key)
+            if len(data) - cut != known.length:
+                return False
+        else:
+            end = data.find(b"\r\n\r\n", 0, KNOWN_HEAD_BYTES)
+            if end < 0:
+                return False
+            cut = end + 4
+            key = data[:cut]
+            found = RESPONSES.get(key)
+            if found is None or len(data) - cut != found.length:
+                self._key = key
+                return False
+            known = found
+            self._last = (key, known)
         status, reason, headers, keep, length = known
         self._moved = True
         self._stalled = 0

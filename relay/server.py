@@ -78,9 +78,9 @@ class ClientConnection(Closing, asyncio.Protocol):
         # _mid_message, a refusal's close() does not set it. Replays need it (relay.heads).
         self._at_start = True
         self._keep = True  # the current request lets the connection carry another
-        # The last replayed head and its RequestHead (immutable): a kept-alive client repeats
-        # its request, and the head is then not built again.
-        self._last: tuple[KnownRequest, RequestHead] | None = None
+        # The last replayed read, what it is and its RequestHead (immutable): a kept-alive
+        # client repeats its request, which is then compared, not hashed, and not built again.
+        self._last: tuple[bytes, KnownRequest, RequestHead] | None = None
         self._lingering = 0.0  # time.monotonic() when a lingering close began (close())
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
         self._stalled = 0  # bytes fed since llhttp last delivered any of those
@@ -129,9 +129,10 @@ class ClientConnection(Closing, asyncio.Protocol):
         self._moved = False
         if self._at_start and data[-4:] == b"\r\n\r\n":
             # A read that may be one whole request head without a body (relay.heads).
-            known = REQUESTS.get(data)
+            last = self._last
+            known = last[1] if last is not None and data == last[0] else REQUESTS.get(data)
             if known is not None:
-                self._replay(known)
+                self._replay(data, known)
                 return
             if len(data) <= KNOWN_HEAD_BYTES and data.find(b"\r\n\r\n") == len(data) - 4:
                 self._key = data
@@ -174,7 +175,7 @@ class ClientConnection(Closing, asyncio.Protocol):
                     Reject(reason=Reason.HEADERS_TOO_LARGE, detail="Request trailers too large")
                 )
 
-    def _replay(self, known: KnownRequest) -> None:
+    def _replay(self, data: bytes, known: KnownRequest) -> None:
         """llhttp's callbacks for a request head it parsed before, in its order (relay.heads):
         the read is exactly that head, the connection is at the start of a message, and the
         request has no body, so it also ends here."""
@@ -182,7 +183,7 @@ class ClientConnection(Closing, asyncio.Protocol):
         self._stalled = 0
         try:
             self.on_message_begin()
-            self._head(known, upgrade=False)
+            self._head(known, upgrade=False, read=data)
             self.on_message_complete()
         except Exception as exc:  # what data_received does with a callback's exception
             self.internal_error(exc)
@@ -252,7 +253,7 @@ class ClientConnection(Closing, asyncio.Protocol):
             self._seen = known
         self._head(known, upgrade=parser.should_upgrade())
 
-    def _head(self, known: KnownRequest, *, upgrade: bool) -> None:
+    def _head(self, known: KnownRequest, *, upgrade: bool, read: bytes = b"") -> None:
         """A whole request head, from llhttp or remembered (_replay)."""
         method, target, version, headers, keep_alive, size = known
         self._in_head = False
@@ -264,8 +265,8 @@ class ClientConnection(Closing, asyncio.Protocol):
             self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))  # in order, as above
             return
         last = self._last
-        if last is not None and last[0] is known:
-            head = last[1]
+        if last is not None and last[1] is known:
+            head = last[2]
         else:
             head = RequestHead(
                 method=method,
@@ -276,8 +277,8 @@ class ClientConnection(Closing, asyncio.Protocol):
                 tls=self.tls,
                 upgrade=upgrade,
             )
-            if not upgrade:  # a remembered head (or one about to be: either way immutable)
-                self._last = (known, head)
+            if read:  # replayed: the read is that head, whatever connection remembered it
+                self._last = (read, known, head)
         if self.overloaded:
             # SPEC §5a: past listen.max_connections relay answers 503 and closes.
             self.relay.timers.head_done(self)

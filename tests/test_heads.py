@@ -8,6 +8,7 @@ memo. Whatever the bytes, both must produce the same events, written bytes and c
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,58 @@ def test_a_replayed_response_gives_what_llhttp_gives(data: bytes, cut: int) -> N
     reads = [data] if cut >= len(data) or cut == 0 else [data[:cut], data[cut:]]
     assert response_events(*reads) == response_events(*reads)
     assert response_events(data) == response_events(data)
+
+
+@contextmanager
+def memo_off() -> Iterator[None]:
+    """llhttp alone: no head qualifies to be remembered, so nothing is replayed."""
+    saved = heads.KNOWN_FIELDS
+    heads.KNOWN_FIELDS = -1
+    heads.REQUESTS.clear()
+    heads.RESPONSES.clear()
+    try:
+        yield
+    finally:
+        heads.KNOWN_FIELDS = saved
+
+
+def responses_on_one_connection(reads: list[bytes]) -> list[Any]:
+    """Each read is one exchange's response; the reader (and its parser) goes on to the next
+    exchange when relay would reuse the connection, else a new connection starts."""
+    out: list[Any] = []
+    reader: ResponseReader | None = None
+    for data in reads:
+        owner = Owner()
+        if reader is None:
+            reader = ResponseReader(owner)
+        else:
+            reader.bind(owner)
+        reader.feed(data)
+        out.append((owner.events, owner.upstream.closed))
+        kept = [event[4] for event in owner.events if event[0] == "head"] == [True]
+        malformed = any(event[0] == "malformed" for event in owner.events)
+        if not (kept and owner.response_complete) or owner.upstream.closed or malformed:
+            reader = None  # relay reuses a connection only after a whole keep-alive response
+        else:
+            reader.unbind()
+    return out
+
+
+@settings(max_examples=300)
+@given(
+    reads=st.lists(
+        st.sampled_from([RESPONSE, RESPONSE[:-2], RESPONSE.replace(b"t\r", b"u\r")]) | responses(),
+        max_size=6,
+    )
+)
+def test_responses_on_one_connection_give_what_llhttp_gives(reads: list[bytes]) -> None:
+    """The per-connection shortcut (ResponseReader._last) included: the memo is primed by the
+    first pass, the second pass replays what it can."""
+    with memo_off():
+        reference = responses_on_one_connection(reads)
+    heads.RESPONSES.clear()
+    assert responses_on_one_connection(reads) == reference
+    assert responses_on_one_connection(reads) == reference
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -395,3 +448,26 @@ def test_a_replayed_request_gives_what_llhttp_gives(
     serve(tmp_path / "prime", data, **PRIMES[prime])
     serve(tmp_path / "prime-request", REQUEST, **PRIMES[prime])
     assert serve(tmp_path / "again", data, later, max_header_bytes=limit) == reference
+
+
+@settings(max_examples=300)
+@given(
+    reads=st.lists(
+        st.sampled_from(
+            [REQUEST, REQUEST[:-2], b"\r\n", REQUEST * 2, REQUEST.replace(b"/a", b"/b")]
+        )
+        | requests(),
+        max_size=5,
+    )
+)
+def test_requests_on_one_connection_give_what_llhttp_gives(
+    tmp_path_factory: pytest.TempPathFactory, reads: list[bytes]
+) -> None:
+    """One client connection sending ``reads`` (the per-connection shortcut, ``_last`` in
+    relay/server.py, included), against llhttp alone."""
+    tmp_path = tmp_path_factory.mktemp("r")
+    with memo_off():
+        reference = serve(tmp_path / "reference", *reads)
+    heads.REQUESTS.clear()
+    assert serve(tmp_path / "first", *reads) == reference
+    assert serve(tmp_path / "again", *reads) == reference
