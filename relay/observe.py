@@ -113,7 +113,7 @@ class Observer:
         decision = exchange.decision
         if not isinstance(decision, Forward):
             return
-        kind = decision.kind.value
+        kind = decision.kind._value_  # a member's value, without the Enum descriptor
         histogram = self.first_byte.get(kind)
         if histogram is None:
             histogram = self.first_byte[kind] = Histogram(FIRST_BYTE_BUCKETS)
@@ -130,7 +130,7 @@ class Observer:
 
     def exchange_done(self, exchange: Respond) -> None:
         decision = exchange.decision
-        kind = decision.kind.value if isinstance(decision, Forward) else "refused"
+        kind = decision.kind._value_ if isinstance(decision, Forward) else "refused"
         status = exchange.status
         self.requests[(kind, status_class(status))] += 1
         self.bytes_in += exchange.bytes_in
