@@ -302,16 +302,23 @@ class Supervisor:
 
     def _on_reload_signal(self) -> None:
         log.info("reload requested: forwarding SIGHUP to the workers")
-        self.notifier.reloading()
+        # systemd hears of a reload only once it has heard READY=1 and until STOPPING=1: a
+        # SIGHUP during start-up or a drain is applied, but not announced or waited for.
+        announce = self.all_ready.is_set() and not self.stop.is_set()
+        if announce:
+            self.notifier.reloading()
         self._reload_own_settings()
         for worker in self.workers:
             if worker.ready:
                 worker.reloading = True
                 self._signal(worker, signal.SIGHUP)
-            else:
+            elif worker.pid is not None:
                 # A worker still starting has not installed its handler yet: SIGHUP's default
-                # action would kill it. It gets the signal once it says READY.
+                # action would kill it. It gets the signal once it says READY. (One waiting
+                # to be restarted reads the new file when it starts.)
                 worker.reload_pending = True
+        if not announce:
+            return
         if self._reload_wait is not None:
             self._reload_wait.cancel()
         loop = asyncio.get_running_loop()
@@ -325,6 +332,10 @@ class Supervisor:
         (Two SIGHUPs in a row may be coalesced by a worker into one reload; the first READY=1
         then ends the wait for both.)"""
         if self._reload_wait is None:
+            return
+        if self.stop.is_set():  # STOPPING=1 ends the reload for systemd: no READY=1 after it
+            self._reload_wait.cancel()
+            self._reload_wait = None
             return
         busy = [w for w in self.workers if w.reloading or w.reload_pending]
         if busy and not timed_out:

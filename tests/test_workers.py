@@ -318,6 +318,7 @@ async def test_a_reload_of_a_broken_file_is_still_forwarded(
     supervisor.workers[0].proc = _Running(111)  # type: ignore[assignment]
     supervisor.workers[0].ready = True
     supervisor.workers[1].proc = _Running(222)  # type: ignore[assignment]
+    supervisor.all_ready.set()  # started earlier; worker 1 is being restarted
     sent: list[tuple[int, int]] = []
     notes: list[str] = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
@@ -345,9 +346,11 @@ def _supervisor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, notes: list[str
     for worker, pid in zip(supervisor.workers, (111, 222), strict=True):
         worker.proc = _Running(pid)  # type: ignore[assignment]
         worker.ready = True
+    supervisor.all_ready.set()
     monkeypatch.setattr(os, "kill", lambda pid, sig: None)
     monkeypatch.setattr(supervisor.notifier, "reloading", lambda: notes.append("RELOADING"))
     monkeypatch.setattr(supervisor.notifier, "ready", lambda _status: notes.append("READY"))
+    monkeypatch.setattr(supervisor.notifier, "stopping", lambda _status: notes.append("STOPPING"))
     return supervisor
 
 
@@ -395,7 +398,62 @@ async def test_a_worker_that_dies_while_reloading_counts_as_reloaded(
     supervisor = _supervisor(tmp_path, monkeypatch, notes)
     supervisor._on_reload_signal()
     supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
-    supervisor.stop.set()  # no restart in this test
+    restarted: list[int] = []
+
+    async def restart(worker: workers.Worker) -> None:
+        restarted.append(worker.index)  # not a real process in this test
+
+    monkeypatch.setattr(supervisor, "_start_worker", restart)
     dying = _Exiting(222)
     await supervisor._wait_worker(supervisor.workers[1], dying)  # type: ignore[arg-type]
+    assert notes == ["RELOADING", "READY"]
+    assert restarted == [1]
+
+
+async def test_a_sighup_during_start_up_is_applied_but_not_announced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: before the supervisor's first READY=1, a reload is no systemd job;
+    RELOADING=1 and a READY=1 from the reload (its 30 s timer included) would tell systemd
+    the unit started while workers were still starting."""
+    notes: list[str] = []
+    supervisor = _supervisor(tmp_path, monkeypatch, notes)
+    supervisor.all_ready.clear()
+    supervisor.workers[1].ready = False  # still starting
+    monkeypatch.setattr(workers, "RELOAD_WAIT_S", 0.05)
+    supervisor._on_reload_signal()
+    assert supervisor.workers[0].reloading
+    assert supervisor.workers[1].reload_pending
+    await asyncio.sleep(0.2)
+    supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
+    assert notes == []
+
+
+async def test_a_stop_during_a_reload_sends_no_ready_after_stopping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a worker that exits while draining, or the reload's timer firing in
+    the drain, sent READY=1 after STOPPING=1."""
+    notes: list[str] = []
+    supervisor = _supervisor(tmp_path, monkeypatch, notes)
+    monkeypatch.setattr(workers, "RELOAD_WAIT_S", 0.05)
+    supervisor._on_reload_signal()
+    supervisor._on_stop_signal(signal.SIGTERM)
+    supervisor.notifier.stopping("draining workers")
+    dying = _Exiting(222)
+    await supervisor._wait_worker(supervisor.workers[1], dying)  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)
+    assert notes == ["RELOADING", "STOPPING"]
+
+
+async def test_a_worker_waiting_to_restart_is_not_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It reads the new file when it starts: the reload is done when the running ones are."""
+    notes: list[str] = []
+    supervisor = _supervisor(tmp_path, monkeypatch, notes)
+    supervisor.workers[1].ready = False
+    supervisor.workers[1].proc = None  # died, in its restart backoff
+    supervisor._on_reload_signal()
+    supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
     assert notes == ["RELOADING", "READY"]
