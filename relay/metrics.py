@@ -310,7 +310,7 @@ def read_snapshots(directory: Path) -> dict[int, Snapshot]:
 
 def well_formed(snap: Snapshot) -> bool:
     """Whether every series in ``snap`` has the shape :func:`families` reads, so that one odd
-    file (another version's, or written by hand) costs its own series, not the scrape."""
+    file (another version's, or written by hand) costs that file's series, not the scrape."""
     for section in ("counters", "gauges", "histograms"):
         series = snap.get(section, {})
         if not isinstance(series, dict):
@@ -324,22 +324,38 @@ def well_formed(snap: Snapshot) -> bool:
     return True
 
 
-def _point(spec: Spec, item: object, section: str) -> bool:
-    def number(value: object) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+def _number(value: object) -> bool:
+    """A value the exposition can write: a float, or an int a float can hold (json.loads
+    makes ints of any size; float() of 10**400 raises)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) < 2**63)
 
+
+def _label(value: object) -> bool:
+    """A label value the exposition can encode (json.loads admits a lone surrogate)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _point(spec: Spec, item: object, section: str) -> bool:
     if not isinstance(item, list) or not item or not isinstance(item[0], list):
         return False
     labels = item[0]
-    if len(labels) != len(spec.labels) or not all(isinstance(v, str) for v in labels):
+    if len(labels) != len(spec.labels) or not all(_label(v) for v in labels):
         return False
     if section != "histograms":
-        return spec.kind != "histogram" and len(item) == 2 and number(item[1])
+        return spec.kind != "histogram" and len(item) == 2 and _number(item[1])
     counts = item[1] if len(item) == 3 else None
     return (
         spec.kind == "histogram"
         and isinstance(counts, list)
         and len(counts) == len(spec.buckets) + 1
-        and all(isinstance(c, int) and not isinstance(c, bool) for c in counts)
-        and number(item[2])
+        and all(isinstance(c, int) and _number(c) for c in counts)
+        and _number(item[2])
     )

@@ -13,6 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from relay.metrics import SPECS, families, read_snapshots, write_snapshot
 from relay.observe import Histogram
@@ -64,6 +67,14 @@ def test_snapshot_files_round_trip(tmp_path: Path) -> None:
     assert list(read_snapshots(tmp_path)) == [7]
 
 
+class _Fixed(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        return self.metrics
+
+
 @pytest.mark.parametrize(
     "odd",
     [
@@ -74,16 +85,24 @@ def test_snapshot_files_round_trip(tmp_path: Path) -> None:
         {"gauges": {"relay_routes": [[[], None]]}},
         {"histograms": {"relay_upstream_connect_seconds": [[[], [1, 2], 0.5]]}},
         {"histograms": {"relay_requests": [[["app", "2xx"], [1], 0.5]]}},
+        # Found by review: json.loads makes these, and the exposition cannot write them.
+        {"counters": {"relay_requests": [[["app", "2xx"], 10**400]]}},
+        {"gauges": {"relay_routes": [[[], 10**400]]}},
+        {"histograms": {"relay_upstream_connect_seconds": [[[], [10**400] * 14, 0.5]]}},
+        {"counters": {"relay_requests": [[["app", "\ud800"], 1]]}},
     ],
 )
 def test_a_snapshot_of_the_wrong_shape_is_skipped(tmp_path: Path, odd: dict[str, Any]) -> None:
     """Valid JSON in the wrong shape (another version's file, or one written by hand) is left
-    out like a torn one: the supervisor's /metrics still answers with the others."""
+    out like a torn one: the supervisor's /metrics still answers with the others (the whole
+    exposition is written, as the supervisor's /metrics writes it)."""
     write_snapshot(tmp_path, _snap(7, 1, 1, 1))
     (tmp_path / "9.json").write_text(json.dumps({"pid": 9, **odd}))
     snaps = read_snapshots(tmp_path)
     assert list(snaps) == [7]
-    assert list(families(list(snaps.values()), list(snaps.values())))
+    registry = CollectorRegistry()
+    registry.register(_Fixed(list(families(list(snaps.values()), list(snaps.values())))))
+    assert b"relay_requests_total" in generate_latest(registry)
 
 
 def test_every_spec_has_bounded_labels() -> None:
