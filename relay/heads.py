@@ -21,8 +21,10 @@ remembered key ends); llhttp is strict about requests anyway.
 Bounded like the decision memo (``relay.decisions``): each memo is dropped whole when it holds
 ``KNOWN_HEADS`` heads, and a head longer than ``KNOWN_HEAD_BYTES`` or with more than
 ``KNOWN_FIELDS`` fields is never remembered. An entry holds its key and the field tuples
-(~130 B of objects per field), so at most about 1,024 entries of 6 KiB per memo. A peer that sends
-ever-new heads only costs one dictionary lookup and one insertion per head.
+(~130 B of objects per field), so at most about 1,024 entries of 6 KiB per memo. A peer that
+sends ever-new heads only costs one dictionary lookup and one insertion per head. Besides the
+memos, each connection keeps the last head it replayed (one entry within the same bounds, also
+on an idle pooled upstream connection), so that a repeated read is compared, not hashed.
 """
 
 from __future__ import annotations

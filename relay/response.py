@@ -182,7 +182,9 @@ class ResponseReader:
         """The exchange is over: it is no longer reported to (and no longer kept alive by this
         reader, which stays with a pooled connection)."""
         self._owner = DETACHED
-        self._headers = []  # nothing of the last response stays with an idle connection
+        # Nothing of the last response stays with an idle connection but _last (one head of at
+        # most KNOWN_HEAD_BYTES and KNOWN_FIELDS fields, kept for the next exchange).
+        self._headers = []
 
     def release_after_feed(self, conn: UpstreamConnection, pool: Pool) -> None:
         self._release = (conn, pool)
