@@ -116,6 +116,7 @@ class ResponseReader:
     __slots__ = (
         "_body_left",
         "_body_seen",
+        "_closing",
         "_ended",
         "_extra",
         "_first",
@@ -154,6 +155,11 @@ class ResponseReader:
         self._owner = owner
         if self.parser is None:
             self.parser = httptools.HttpResponseParser(self)
+            # An interim response with "Connection: close" (RFC 9110 §15.2 lets any 1xx carry
+            # fields) would make llhttp refuse the final response that must follow it. With
+            # this, llhttp reads on after any closing message; relay itself never reuses a
+            # connection after one, and drops what follows a final response with it (_extra).
+            self.parser.set_dangerous_leniencies(lenient_keep_alive=True)
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0  # the current response head's size, then its trailers'
         self._in_head = False  # fields now are head fields, not trailers
@@ -161,6 +167,7 @@ class ResponseReader:
         self._stalled = 0  # bytes fed since it last did
         self._reason = b""
         self.interim = False  # a 1xx is being read; its end is not the response's end
+        self._closing = False  # an interim response said "Connection: close"
         self._extra = False  # the upstream sent bytes after its complete response
         # A connection whose response ended inside the current read: released to its pool
         # only once the whole read is parsed, so that bytes after the response (which make it
@@ -380,10 +387,12 @@ class ResponseReader:
         if 100 <= status < 200 and status != 101:
             # An interim response (RFC 9110 §15.2): the final one follows on the same parser.
             self.interim = True
+            # RFC 9112 §9.6: the close option ends the connection after the final response.
+            self._closing = self._closing or not parser.should_keep_alive()
             owner.response_interim(status, self._reason, headers)
             return
         self.interim = False
-        keep = parser.should_keep_alive()
+        keep = parser.should_keep_alive() and not self._closing
         if self._key is not None and keep:  # else llhttp ends closed, not at a message start
             self._seen = KnownResponse(status, self._reason, headers, keep, 0)
         self._body_left = owner.response_head(status, self._reason, headers, keep)

@@ -604,6 +604,38 @@ async def test_an_empty_reason_after_an_interim_response_is_not_the_interim_one(
     assert (final.status, final.reason, final.body) == (200, b"OK", b"ok")
 
 
+async def test_an_interim_response_that_says_close_is_relayed_and_so_is_the_final_one(
+    tmp_path: Path,
+) -> None:
+    """A 1xx may carry fields (RFC 9110 §15.2); "Connection: close" on one made llhttp refuse
+    the final response (relay answered 502). The final response now reaches the client, and
+    the upstream connection, which its server will close (RFC 9112 §9.6), is not reused."""
+    server, seen, handlers = await _scripted_upstream(
+        [
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nConnection: close\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext",
+        ]
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("hints", insecure=True)]) as relay:
+            conn = await Connection.open(relay.port)
+            await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
+            interim = await conn.read_response()
+            final = await conn.read_response()
+            await conn.send(request_bytes("GET", "/again", app_host(port, "hints")))
+            after = await conn.read_response()
+            await conn.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    assert (interim.status, final.status, final.body) == (103, 200, b"ok")
+    assert (after.status, after.body) == (200, b"next")
+    assert [len(heads) for heads in seen] == [1, 1]  # a second upstream connection
+
+
 async def test_idle_upstream_connections_are_capped_per_upstream(
     tmp_path: Path, upstream: Upstream
 ) -> None:

@@ -172,3 +172,24 @@ def test_a_callback_that_raises_is_an_internal_error() -> None:
     owner.response_body = boom  # type: ignore[method-assign]
     ResponseReader(owner).feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
     assert owner.events[-1] == ("internal", RuntimeError)
+
+
+def test_an_interim_close_closes_after_the_final_response() -> None:
+    """RFC 9112 §9.6: "Connection: close" on a 1xx ends the connection after the final
+    response, which llhttp now reads (it refused it before)."""
+    owner, _ = read(
+        b"HTTP/1.1 100 Continue\r\nConnection: close\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    )
+    assert owner.events[2:] == [
+        ("head", 200, b"OK", ((b"Content-Length", b"2"),), False),  # not kept alive
+        ("body", b"ok"),
+        ("end",),
+        ("flush",),
+    ]
+
+
+def test_bytes_after_a_closing_response_still_close_the_connection() -> None:
+    owner, _ = read(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nokmore")
+    assert owner.events[-2:] == [("body", b"ok"), ("end",)]
+    assert owner.upstream.closed
