@@ -472,12 +472,13 @@ async def test_a_length_body_passed_through_in_pieces_stops_at_its_length(tmp_pa
     assert len(handlers) == 2
 
 
+@contextlib.asynccontextmanager
 async def _scripted_upstream(
     answers: list[bytes | tuple[bytes, ...]],
-) -> tuple[asyncio.Server, list[list[bytes]], list[asyncio.Task[object]]]:
+) -> AsyncIterator[tuple[int, list[list[bytes]]]]:
     """An upstream answering each request it reads with the next scripted bytes, recording
-    the request heads per connection. An answer given as a tuple is sent in parts, 50 ms
-    apart, so that relay reads them separately."""
+    the request heads per connection; yields its port and those heads. An answer given as a
+    tuple is sent in parts, 50 ms apart, so that relay reads them separately."""
     seen: list[list[bytes]] = []
     handlers: list[asyncio.Task[object]] = []
 
@@ -500,7 +501,12 @@ async def _scripted_upstream(
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, seen, handlers
+    try:
+        yield server.sockets[0].getsockname()[1], seen
+    finally:
+        server.close()
+        await server.wait_closed()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
 
 
 _INJECTED = b"okHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil"
@@ -521,24 +527,21 @@ _INJECTED = b"okHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil"
 async def test_a_request_pipelined_behind_an_injected_response_gets_a_fresh_connection(
     tmp_path: Path, answer: bytes | tuple[bytes, ...]
 ) -> None:
-    server, seen, handlers = await _scripted_upstream(
-        [answer, b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond"]
-    )
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with running_relay(tmp_path, [route("pipe", insecure=True)]) as relay:
-            conn = await Connection.open(relay.port)
-            host = app_host(port, "pipe")
-            await conn.send(
-                request_bytes("GET", "/1", host) + request_bytes("POST", "/2", host, body=b"x")
-            )
-            first = await conn.read_response()
-            second = await conn.read_response()
-            await conn.close()
-    finally:
-        server.close()
-        await server.wait_closed()
-        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    async with (
+        _scripted_upstream([answer, b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond"]) as (
+            port,
+            seen,
+        ),
+        running_relay(tmp_path, [route("pipe", insecure=True)]) as relay,
+    ):
+        conn = await Connection.open(relay.port)
+        host = app_host(port, "pipe")
+        await conn.send(
+            request_bytes("GET", "/1", host) + request_bytes("POST", "/2", host, body=b"x")
+        )
+        first = await conn.read_response()
+        second = await conn.read_response()
+        await conn.close()
     assert (first.status, first.body) == (200, b"ok")
     assert (second.status, second.body) == (200, b"second")
     # The POST went out once, on a connection of its own, never on the one that misbehaved.
@@ -551,26 +554,22 @@ async def test_responses_one_after_another_on_a_pooled_connection(tmp_path: Path
     # connection from one exchange to the next, except after a body relay passed through
     # without it (the first: its second half comes in a later read), after which it would
     # still be waiting for that body.
-    server, seen, handlers = await _scripted_upstream(
-        [
-            (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234", b"56789"),
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-            b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok",
-        ]
-    )
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with running_relay(tmp_path, [route("seq", insecure=True)]) as relay:
-            conn = await Connection.open(relay.port)
-            answers = []
-            for i in range(3):
-                await conn.send(request_bytes("GET", f"/{i}", app_host(port, "seq")))
-                answers.append(await conn.read_response())
-            await conn.close()
-    finally:
-        server.close()
-        await server.wait_closed()
-        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    async with (
+        _scripted_upstream(
+            [
+                (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234", b"56789"),
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok",
+            ]
+        ) as (port, seen),
+        running_relay(tmp_path, [route("seq", insecure=True)]) as relay,
+    ):
+        conn = await Connection.open(relay.port)
+        answers = []
+        for i in range(3):
+            await conn.send(request_bytes("GET", f"/{i}", app_host(port, "seq")))
+            answers.append(await conn.read_response())
+        await conn.close()
     assert [(a.status, a.body) for a in answers] == [
         (200, b"0123456789"),
         (200, b"abc"),
@@ -582,24 +581,20 @@ async def test_responses_one_after_another_on_a_pooled_connection(tmp_path: Path
 async def test_an_empty_reason_after_an_interim_response_is_not_the_interim_one(
     tmp_path: Path,
 ) -> None:
-    server, _, handlers = await _scripted_upstream(
-        [
-            b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
-            b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\nok"
-        ]
-    )
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with running_relay(tmp_path, [route("hints", insecure=True)]) as relay:
-            conn = await Connection.open(relay.port)
-            await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
-            interim = await conn.read_response()
-            final = await conn.read_response()
-            await conn.close()
-    finally:
-        server.close()
-        await server.wait_closed()
-        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    async with (
+        _scripted_upstream(
+            [
+                b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\nok"
+            ]
+        ) as (port, _),
+        running_relay(tmp_path, [route("hints", insecure=True)]) as relay,
+    ):
+        conn = await Connection.open(relay.port)
+        await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
+        interim = await conn.read_response()
+        final = await conn.read_response()
+        await conn.close()
     assert (interim.status, interim.reason) == (103, b"Early Hints")
     assert (final.status, final.reason, final.body) == (200, b"OK", b"ok")
 
@@ -610,27 +605,23 @@ async def test_an_interim_response_that_says_close_is_relayed_and_so_is_the_fina
     """A 1xx may carry fields (RFC 9110 §15.2); "Connection: close" on one made llhttp refuse
     the final response (relay answered 502). The final response now reaches the client, and
     the upstream connection, which its server will close (RFC 9112 §9.6), is not reused."""
-    server, seen, handlers = await _scripted_upstream(
-        [
-            b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nConnection: close\r\n\r\n"
-            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
-            b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext",
-        ]
-    )
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with running_relay(tmp_path, [route("hints", insecure=True)]) as relay:
-            conn = await Connection.open(relay.port)
-            await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
-            interim = await conn.read_response()
-            final = await conn.read_response()
-            await conn.send(request_bytes("GET", "/again", app_host(port, "hints")))
-            after = await conn.read_response()
-            await conn.close()
-    finally:
-        server.close()
-        await server.wait_closed()
-        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    async with (
+        _scripted_upstream(
+            [
+                b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nConnection: close\r\n\r\n"
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext",
+            ]
+        ) as (port, seen),
+        running_relay(tmp_path, [route("hints", insecure=True)]) as relay,
+    ):
+        conn = await Connection.open(relay.port)
+        await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
+        interim = await conn.read_response()
+        final = await conn.read_response()
+        await conn.send(request_bytes("GET", "/again", app_host(port, "hints")))
+        after = await conn.read_response()
+        await conn.close()
     assert (interim.status, final.status, final.body) == (103, 200, b"ok")
     assert (after.status, after.body) == (200, b"next")
     assert [len(heads) for heads in seen] == [1, 1]  # a second upstream connection
