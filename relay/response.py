@@ -138,6 +138,9 @@ class ResponseReader:
 
     def __init__(self, owner: Events) -> None:
         self.parser: httptools.HttpResponseParser | None = None  # made by bind
+        # Set and cleared within one feed() (see _remembered and _remember).
+        self._key: bytes | None = None  # this read's head, to remember if llhttp agrees
+        self._seen: KnownResponse | None = None  # what llhttp reported for it
         # The head this connection's last replayed response began with, and what it is: an
         # upstream repeats its head (until its Date changes), compared then instead of hashed.
         self._last: tuple[bytes, KnownResponse] | None = None
@@ -180,8 +183,6 @@ class ResponseReader:
         # The next read is the first of this response: llhttp waits at a message start, so a
         # remembered head may stand in for it (_remembered).
         self._first = True
-        self._key: bytes | None = None  # this read's head, to remember if llhttp agrees
-        self._seen: KnownResponse | None = None  # what llhttp reported for it
         self._body_seen = 0  # body bytes llhttp delivered in this read
         self._ended = False  # and the response ended in this read
 
@@ -314,7 +315,7 @@ class ResponseReader:
         """After llhttp parsed the first read of a response: remember its head if that read
         was exactly one whole final response and its body in one piece (no interim response,
         nothing after it; so not chunked, whose framing is not body)."""
-        key, seen, self._key, self._seen = self._key, self._seen, None, None
+        key, seen = self._key, self._seen  # cleared by feed() once the read is parsed
         if (
             key is not None
             and seen is not None

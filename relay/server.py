@@ -179,7 +179,6 @@ class ClientConnection(Closing, asyncio.Protocol):
         """llhttp's callbacks for a request head it parsed before, in its order (relay.heads):
         the read is exactly that head, the connection is at the start of a message, and the
         request has no body, so it also ends here."""
-        self._moved = True
         self._stalled = 0
         try:
             self.on_message_begin()

@@ -273,10 +273,11 @@ class Supervisor:
         worker.last_ping = time.monotonic()
         if "STATUS" in fields:
             worker.status = fields["STATUS"]
-        if fields.get("READY") == "1" and worker.ready and worker.reloading:
+        ready = fields.get("READY") == "1"
+        if ready and worker.ready and worker.reloading:
             worker.reloading = False
             self._reloaded()
-        elif fields.get("READY") == "1" and not worker.ready:
+        elif ready and not worker.ready:
             worker.ready = True
             log.info("worker %d (pid %s) ready", worker.index, worker.pid)
             if worker.reload_pending:
@@ -333,19 +334,18 @@ class Supervisor:
         then ends the wait for both.)"""
         if self._reload_wait is None:
             return
-        if self.stop.is_set():  # STOPPING=1 ends the reload for systemd: no READY=1 after it
-            self._reload_wait.cancel()
-            self._reload_wait = None
-            return
+        stopping = self.stop.is_set()  # STOPPING=1 ends the reload for systemd: no READY=1
         busy = [w for w in self.workers if w.reloading or w.reload_pending]
-        if busy and not timed_out:
+        if busy and not (timed_out or stopping):
+            return
+        self._reload_wait.cancel()
+        self._reload_wait = None
+        if stopping:
             return
         if busy:
             log.warning(
                 "reload: %d worker(s) did not report within %.0fs", len(busy), RELOAD_WAIT_S
             )
-        self._reload_wait.cancel()
-        self._reload_wait = None
         self.notifier.ready(self._status())
 
     def _reload_own_settings(self) -> None:
