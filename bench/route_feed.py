@@ -40,7 +40,8 @@ import redis.asyncio as aioredis  # noqa: E402
 
 from relay.feeds.redis import publish_delete, publish_puts  # noqa: E402
 from tests.feeds.helpers import SandboxApp  # noqa: E402
-from tests.feeds.redisproc import RedisProcess, free_port  # noqa: E402
+from tests.feeds.redisproc import RedisProcess  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 
 def route(sandbox_id: str, i: int) -> str:

@@ -31,7 +31,7 @@ from relay.observe import Observer
 from relay.outbox import Outbox
 from relay.reload import reload_settings
 from relay.server import ClientConnection
-from relay.startup import check_parsers
+from relay.startup import binding, check_parsers
 from relay.timers import Timers
 from relay.tls import ReloadableContext
 from relay.upstreams import Pool
@@ -277,20 +277,21 @@ class Relay:
             parsed = split_address(address)
             assert parsed is not None
             host, port = parsed
-            server = await loop.create_server(
-                lambda: ClientConnection(self, tls=tls),
-                host,
-                port,
-                ssl=self.tls.listener if self.tls else None,
-                # SPEC §5a: header_timeout_s runs from accept; the TLS handshake comes before
-                # the protocol (and its header timer) exists, so it gets the same bound
-                # instead of asyncio's default of 60 s. (Not reloaded by SIGHUP: the listener
-                # keeps the value it was created with.)
-                ssl_handshake_timeout=listen.header_timeout_s if self.tls else None,
-                reuse_address=True,
-                reuse_port=self.config.process.workers > 1,
-                backlog=4096,
-            )
+            with binding("listen.address", host, port):
+                server = await loop.create_server(
+                    lambda: ClientConnection(self, tls=tls),
+                    host,
+                    port,
+                    ssl=self.tls.listener if self.tls else None,
+                    # SPEC §5a: header_timeout_s runs from accept; the TLS handshake comes before
+                    # the protocol (and its header timer) exists, so it gets the same bound
+                    # instead of asyncio's default of 60 s. (Not reloaded by SIGHUP: the listener
+                    # keeps the value it was created with.)
+                    ssl_handshake_timeout=listen.header_timeout_s if self.tls else None,
+                    reuse_address=True,
+                    reuse_port=self.config.process.workers > 1,
+                    backlog=4096,
+                )
             self._servers.append(server)
             for sock in server.sockets:
                 name = sock.getsockname()
@@ -318,7 +319,8 @@ class Relay:
         parsed = split_address(self.config.admin.address)
         assert parsed is not None
         site = web.TCPSite(runner, parsed[0], parsed[1], reuse_address=True)
-        await site.start()
+        with binding("admin.address", parsed[0], parsed[1]):
+            await site.start()
         server = site._server
         if server is not None and server.sockets:  # type: ignore[attr-defined]
             name = server.sockets[0].getsockname()  # type: ignore[attr-defined]

@@ -6,9 +6,28 @@ once per process in ``relay serve`` (each worker included) before the event loop
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 
 class StartupError(RuntimeError):
     """relay cannot run safely on this machine; the message says why."""
+
+
+@contextlib.contextmanager
+def binding(what: str, host: str, port: int) -> Iterator[None]:
+    """A listener that cannot bind stops relay with one line on stderr, not a traceback.
+
+    The usual causes are an operator's to fix: the port is taken (EADDRINUSE), below 1024
+    without ``CAP_NET_BIND_SERVICE`` (EACCES), or the address is not on this host
+    (EADDRNOTAVAIL). systemd sees exit status 1 and the journal says which listener.
+    """
+    try:
+        yield
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise StartupError(f"cannot listen on {what} {host}:{port}: {reason}") from exc
 
 
 def check_parsers() -> None:

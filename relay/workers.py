@@ -46,6 +46,7 @@ from aiohttp import web
 
 from relay import admin
 from relay.config import Config, load, split_address
+from relay.startup import binding
 from relay.supervision import (
     next_failures,
     parse_notification,
@@ -377,7 +378,8 @@ class Supervisor:
         parsed = split_address(self.config.admin.address)
         assert parsed is not None
         site = web.TCPSite(runner, parsed[0], parsed[1], reuse_address=True)
-        await site.start()
+        with binding("admin.address", parsed[0], parsed[1]):
+            await site.start()
         self._admin = runner
         server = site._server
         if server is not None and server.sockets:  # type: ignore[attr-defined]

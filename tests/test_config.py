@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from relay.__main__ import main, redacted
 from relay.config import ConfigError, load, parse
 from tests.support.harness import serve_until_exit
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,6 +92,31 @@ def test_refuses_to_start_on_the_pure_python_parser(tmp_path: Path) -> None:
     result = serve_until_exit(config, timeout=20, env=env)
     assert result.returncode == 1
     assert "pure-Python HTTP parser" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("taken", "workers"),
+    [("listen.address", 1), ("admin.address", 1), ("listen.address", 2), ("admin.address", 2)],
+)
+def test_a_taken_port_stops_serve_with_one_line(tmp_path: Path, taken: str, workers: int) -> None:
+    # Held by a listener, so no SO_REUSEADDR can share it (the CI failure: EADDRINUSE on bind).
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        ports = {"listen.address": free_port(), "admin.address": free_port(), taken: busy}
+        (tmp_path / "routes.json").write_text('{"routes": []}')
+        config = tmp_path / "relay.toml"
+        config.write_text(
+            f'[listen]\naddress = "127.0.0.1:{ports["listen.address"]}"\n'
+            f'[admin]\naddress = "127.0.0.1:{ports["admin.address"]}"\n'
+            f"[process]\nworkers = {workers}\n"
+        )
+        result = serve_until_exit(config, timeout=30)
+    assert result.returncode == 1, result.stderr
+    line = f"relay: cannot start: cannot listen on {taken} 127.0.0.1:{busy}: Address already in use"
+    assert line in result.stderr.splitlines()
+    assert "Traceback" not in result.stderr
 
 
 def test_allocator_is_tuned_on_glibc() -> None:

@@ -19,7 +19,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from relay.forward import Exchange
-from tests.support.harness import DOMAIN, RelayUnderTest, free_port, route, running_relay
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.ports import free_port
 from tests.support.rawhttp import Connection, request, request_bytes
 
 

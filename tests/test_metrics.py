@@ -19,8 +19,9 @@ from prometheus_client.registry import Collector
 
 from relay.metrics import SPECS, families, read_snapshots, write_snapshot
 from relay.observe import Histogram
-from tests.support.harness import DOMAIN, RelayUnderTest, free_port, route, running_relay
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.ops import get, samples, value
+from tests.support.ports import free_port
 from tests.support.rawhttp import request
 
 

@@ -33,12 +33,12 @@ from tests.support.harness import (
     DOMAIN,
     RelayProcess,
     config_data,
-    free_port,
     route,
     serve_until_exit,
     to_toml,
 )
 from tests.support.ops import get, value
+from tests.support.ports import free_port
 from tests.support.rawhttp import request
 
 

@@ -1,6 +1,7 @@
 """A private ``redis-server`` for tests and benches: loopback, free port, own directory.
 
-Never the machine's Redis on 6379: each server gets a port the kernel picked, a temporary
+Never the machine's Redis on 6379: each server gets a free port from
+``tests.support.ports`` (outside the kernel's ephemeral range), a temporary
 directory, no RDB snapshots and no AOF (``--save "" --appendonly no``). An explicit ``SAVE``
 still writes ``dump.rdb`` into that directory, which a restart on the same port loads: the
 kill-and-restart test uses that to come back with known contents.
@@ -11,19 +12,13 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from tests.support.ports import free_port
+
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def redis_server_path() -> str | None:

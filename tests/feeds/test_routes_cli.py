@@ -12,7 +12,8 @@ import redis
 
 from relay.__main__ import main
 from tests.feeds.helpers import dumps, route
-from tests.feeds.redisproc import RedisProcess, free_port
+from tests.feeds.redisproc import RedisProcess
+from tests.support.ports import free_port
 
 
 def file_config(tmp_path: Path) -> Path:

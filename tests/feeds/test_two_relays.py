@@ -30,7 +30,8 @@ from tests.feeds.helpers import (
     route,
     wait_until,
 )
-from tests.feeds.redisproc import RedisProcess, free_port
+from tests.feeds.redisproc import RedisProcess
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -23,15 +23,9 @@ from typing import Any
 
 from relay.config import Config, parse
 from relay.runtime import Relay
+from tests.support.ports import free_port
 
 DOMAIN = "e2b.test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def route(sandbox_id: str, port_address: str = "127.0.0.1", **fields: Any) -> dict[str, Any]:
@@ -141,6 +135,10 @@ async def running_relay(
         await relay.stop()
 
 
+class PortTaken(RuntimeError):
+    """The relay exited because a port it was given to bind was taken."""
+
+
 @dataclass
 class RelayProcess:
     """``relay serve`` in a subprocess; output goes to files in the temp dir."""
@@ -163,9 +161,25 @@ class RelayProcess:
         return self.tmp_path / "routes.json"
 
     def start(self, timeout: float = 10.0, *, until_ready: bool = True) -> None:
-        """Start and wait for ``/readyz`` 200 (or, ``until_ready=False``, any admin answer)."""
-        self.port = self.port or free_port()
-        self.admin_port = self.admin_port or free_port()
+        """Start and wait for ``/readyz`` 200 (or, ``until_ready=False``, any admin answer).
+
+        Ports this picked are picked again, up to three times, when the relay finds one taken:
+        another process may bind a free port between ``free_port`` and the relay's bind.
+        """
+        picked = (not self.port, not self.admin_port)
+        for attempt in range(3):
+            self.port = self.port or free_port()
+            self.admin_port = self.admin_port or free_port()
+            try:
+                self._start_once(timeout, until_ready=until_ready)
+                return
+            except PortTaken:
+                if attempt == 2 or not any(picked):
+                    raise
+                self.port = 0 if picked[0] else self.port
+                self.admin_port = 0 if picked[1] else self.admin_port
+
+    def _start_once(self, timeout: float, *, until_ready: bool) -> None:
         data = config_data(self.tmp_path, self.overrides, port=self.port)
         data["admin"]["address"] = f"127.0.0.1:{self.admin_port}"
         write_routes(self.routes_file, self.routes)
@@ -182,7 +196,12 @@ class RelayProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"relay exited: {self.output()}")
+                self.stdout.close()
+                self.stderr.close()
+                output = self.output()
+                if "address already in use" in output.lower():
+                    raise PortTaken(f"relay exited: {output}")
+                raise RuntimeError(f"relay exited: {output}")
             with (
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.admin_port), 0.2) as s,
