@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler[args.command](args)
     except ConfigError as exc:
-        print(f"relay: config error: {exc}", file=sys.stderr)
+        # One write per line: workers share the supervisor's stderr, and print() writes the
+        # text and its newline separately, so two workers' lines could interleave.
+        sys.stderr.write(f"relay: config error: {exc}\n")
         return EXIT_CONFIG
 
 
@@ -106,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
             return workers.supervise(config, args.log_level)
         uvloop.run(serve(config))
     except StartupError as exc:
-        print(f"relay: cannot start: {exc}", file=sys.stderr)
+        sys.stderr.write(f"relay: cannot start: {exc}\n")  # one write: see main()
         return 1
     return 0
 
