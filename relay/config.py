@@ -140,6 +140,15 @@ def networks(cidrs: list[str]) -> tuple[Network, ...]:
     return tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
 
 
+def in_networks(peer: str, nets: tuple[Network, ...]) -> bool:
+    """``peer`` (an address as the socket reports it) is in one of ``nets``."""
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(ip in net for net in nets)
+
+
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
     """Return the value converted to ``annotation`` or raise naming ``key``."""
     origin = typing.get_origin(annotation)

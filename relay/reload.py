@@ -22,7 +22,6 @@ that list is an access control.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import ssl
 from dataclasses import dataclass
@@ -189,13 +188,5 @@ def apply(relay: Relay, config: Config) -> None:
     relay.management_address = address or ("", 0)
     if relay.allowed_clients:
         for conn in list(relay.connections):
-            if not _allowed(conn.peer, relay.allowed_clients):
+            if not relay.allowed(conn.peer):
                 conn.abort()
-
-
-def _allowed(peer: str, nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
-    try:
-        ip = ipaddress.ip_address(peer)
-    except ValueError:
-        return False
-    return any(ip in net for net in nets)

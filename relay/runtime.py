@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from relay import admin, netlink
 from relay.accesslog import ACCESS_LOG
-from relay.config import Config, networks, parse_http_url, split_address
+from relay.config import Config, in_networks, networks, parse_http_url, split_address
 from relay.core.decide import FeedState, Settings
 from relay.core.feed import freshness
 from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route
 from relay.core.routes import RouteError, RouteTable
 from relay.decisions import DecisionMemory
 from relay.feeds import open_feed
+from relay.handshake import TlsAccept
 from relay.observe import Observer
 from relay.outbox import Outbox
 from relay.reload import reload_settings
@@ -71,6 +71,7 @@ class Relay:
         )
         self.timers = Timers(config.listen.header_timeout_s, config.listen.idle_timeout_s)
         self.connections: set[ClientConnection] = set()
+        self.handshakes: set[TlsAccept] = set()  # TLS connections still in their handshake
         self.live: dict[str, set[Live]] = {}
         self.inflight: dict[str, int] = {}
         self.draining = False
@@ -127,13 +128,19 @@ class Relay:
             head, self._table, self._settings, self._feed_state, self.inflight
         )
 
+    def allowed(self, peer: str) -> bool:
+        """``listen.allowed_clients`` (empty: everyone)."""
+        return not self.allowed_clients or in_networks(peer, self.allowed_clients)
+
     def admit(self, conn: ClientConnection) -> bool:
         """Admission of a new client connection; False when it was turned away."""
-        if self.allowed_clients and not _in_networks(conn.peer, self.allowed_clients):
+        if not self.allowed(conn.peer):
             assert conn.transport is not None
             conn.transport.abort()
             return False
-        if len(self.connections) >= self.config.listen.max_connections or self.draining:
+        # TLS connections still in their handshake count too (relay.handshake).
+        busy = len(self.connections) + len(self.handshakes)
+        if busy >= self.config.listen.max_connections or self.draining:
             conn.overloaded = True
         self.connections.add(conn)
         return True
@@ -272,22 +279,19 @@ class Relay:
                 str(self.config.path(listen.tls_key)),
                 self.config.routing.domains,  # checked by relay.tlscheck
             )
-        tls = self.tls is not None
+        # On a TLS listener the handshake runs after admission, from the protocol (relay.handshake).
+        factory: Callable[[], asyncio.Protocol] = (
+            (lambda: TlsAccept(self)) if self.tls else (lambda: ClientConnection(self, tls=False))
+        )
         for address in listen.addresses:
             parsed = split_address(address)
             assert parsed is not None
             host, port = parsed
             with binding("listen.address", host, port):
                 server = await loop.create_server(
-                    lambda: ClientConnection(self, tls=tls),
+                    factory,
                     host,
                     port,
-                    ssl=self.tls.listener if self.tls else None,
-                    # SPEC §5a: header_timeout_s runs from accept; the TLS handshake comes before
-                    # the protocol (and its header timer) exists, so it gets the same bound
-                    # instead of asyncio's default of 60 s. (Not reloaded by SIGHUP: the listener
-                    # keeps the value it was created with.)
-                    ssl_handshake_timeout=listen.header_timeout_s if self.tls else None,
                     reuse_address=True,
                     reuse_port=self.config.process.workers > 1,
                     backlog=4096,
@@ -359,6 +363,8 @@ class Relay:
             server.close()
         for item in [i for items in self.live.values() for i in items]:
             item.revoke()
+        for handshake in list(self.handshakes):
+            handshake.abort()
         for conn in list(self.connections):
             conn.close_now()
         self.pool.close_all()
@@ -380,16 +386,6 @@ def _sandbox_of(item: Live) -> str | None:
     if isinstance(decision, Forward) and decision.target is not None:
         return decision.target.sandbox_id
     return None
-
-
-def _in_networks(
-    peer: str, nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
-) -> bool:
-    try:
-        ip = ipaddress.ip_address(peer)
-    except ValueError:
-        return False
-    return any(ip in net for net in nets)
 
 
 async def serve(config: Config) -> None:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tests.support.certs import issue
+from tests.support.certs import Issued, issue
 from tests.support.harness import DOMAIN, route, running_relay
 
 
@@ -38,3 +42,135 @@ async def test_https_listener_forwards(tmp_path: Path) -> None:
         await upstream.close()
     assert data.startswith(b"HTTP/1.1 200")
     assert data.endswith(f"hello over {host}".encode())
+
+
+# -- admission at accept, before any TLS work (relay.handshake) ---------------------------------
+def _client_hello() -> bytes:
+    """A real ClientHello, as the first bytes a TLS client sends."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    ctx = ssl.create_default_context()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=f"49983-sbx.{DOMAIN}")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+async def _answer(port: int, first: bytes) -> bytes:
+    """The first bytes relay sends back to ``first`` on a raw TCP connection (b"": closed)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(first)
+    try:
+        return await asyncio.wait_for(reader.read(65536), 5)
+    except ConnectionResetError:
+        return b""
+    finally:
+        writer.close()
+
+
+async def _silent(port: int) -> asyncio.StreamWriter:
+    """A TCP connection that never sends its ClientHello: it stays in its handshake."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    return writer
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in 2 s")
+
+
+async def _get(relay_port: int, certs: Issued, host: str) -> bytes:
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", relay_port, ssl=certs.client_context(), server_hostname=host
+    )
+    writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    # The head only: over TLS a refusal's close lingers (no half-close to send).
+    data = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    return data
+
+
+def _tls(certs: Issued, **listen: Any) -> dict[str, dict[str, Any]]:
+    return {"listen": {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file), **listen}}
+
+
+async def test_a_client_outside_allowed_clients_gets_no_handshake(tmp_path: Path) -> None:
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    hello = _client_hello()
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        assert (await _answer(relay.port, hello))[:1] == b"\x16"  # a ServerHello (handshake)
+    overrides = _tls(certs, allowed_clients=["10.0.0.0/8"])
+    async with running_relay(tmp_path, [], overrides) as relay:
+        assert await _answer(relay.port, hello) == b""  # reset at accept: no TLS byte
+        assert not relay.relay.handshakes
+
+
+async def test_connections_in_their_handshake_count_against_max_connections(
+    tmp_path: Path,
+) -> None:
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    app = web.Application()
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/", ok)
+    upstream = TestServer(app, host="127.0.0.1")
+    await upstream.start_server()
+    host = f"{upstream.port}-tlsbox.{DOMAIN}"
+    routes = [route("tlsbox", insecure=True)]
+    try:
+        async with running_relay(tmp_path, routes, _tls(certs, max_connections=2)) as relay:
+            stalled = await _silent(relay.port)
+            held: asyncio.StreamWriter | None = None
+            try:
+                await _until(lambda: len(relay.relay.handshakes) == 1)
+                # 0 established + 1 in its handshake < 2: served.
+                assert (await _get(relay.port, certs, host)).startswith(b"HTTP/1.1 200")
+                # Held open: 1 established + 1 in its handshake reach the limit.
+                _, held = await asyncio.open_connection(
+                    "127.0.0.1", relay.port, ssl=certs.client_context(), server_hostname=host
+                )
+                await _until(lambda: len(relay.relay.connections) == 1)
+                assert (await _get(relay.port, certs, host)).startswith(b"HTTP/1.1 503")
+                stalled.close()
+                await _until(lambda: not relay.relay.handshakes)  # the count comes down
+                assert (await _get(relay.port, certs, host)).startswith(b"HTTP/1.1 200")
+            finally:
+                stalled.close()
+                if held is not None:
+                    held.close()
+    finally:
+        await upstream.close()
+
+
+async def test_handshakes_past_max_connections_are_reset_at_accept(tmp_path: Path) -> None:
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    hello = _client_hello()
+    async with running_relay(tmp_path, [], _tls(certs, max_connections=2)) as relay:
+        stalled = [await _silent(relay.port), await _silent(relay.port)]
+        try:
+            await _until(lambda: len(relay.relay.handshakes) == 2)
+            assert await _answer(relay.port, hello) == b""
+            stalled[0].close()
+            await _until(lambda: len(relay.relay.handshakes) == 1)
+            assert (await _answer(relay.port, hello))[:1] == b"\x16"
+            stalled[1].close()
+            await _until(lambda: not relay.relay.handshakes)
+        finally:
+            for writer in stalled:
+                writer.close()
+
+
+async def test_stop_ends_the_handshakes_in_flight(tmp_path: Path) -> None:
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        await _until(lambda: len(relay.relay.handshakes) == 1)
+        inner = relay.relay
+    with contextlib.suppress(ConnectionResetError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert not inner.handshakes
+    writer.close()

@@ -1,0 +1,161 @@
+"""A TLS listener accepts TCP first: admission before any TLS work, then the handshake.
+
+With ``create_server(ssl=...)`` relay's protocol saw a connection only once its handshake was
+done, which left two gaps that a production proxy does not have (nginx and Envoy filter by
+address and count connections at accept):
+
+* ``listen.allowed_clients`` was checked after the handshake, so a client the operator shut
+  out could still make relay run handshakes, the costly part of a TLS connection;
+* connections in their handshake did not count against ``listen.max_connections``, so
+  clients that connect and stall each held a socket and an SSL object for up to
+  ``header_timeout_s``, without bound.
+
+So the listener is plain TCP and :class:`TlsAccept` its protocol. At accept:
+
+* a peer outside ``allowed_clients`` is reset at once, as on a plain listener;
+* when ``listen.max_connections`` connections are already in their handshake, the new one is
+  reset too (SPEC §5a: "under extreme load it may also stop accepting"): answering it 503
+  would take the very handshake that the limit is there to bound;
+* otherwise it joins ``Relay.handshakes`` (which :meth:`Relay.admit` counts with the
+  established connections, so past the limit a finished handshake gets the 503 that a plain
+  connection gets) and ``loop.start_tls`` runs its handshake, bounded by
+  ``listen.header_timeout_s`` as before.
+
+``start_tls`` is a coroutine, and its first step (which hands the socket to the TLS protocol)
+runs here, inside ``connection_made``, not in a task: uvloop starts reading an accepted socket
+as soon as ``connection_made`` returns, and a task's first step runs only after the next poll,
+so a ClientHello sent at once went to this plain protocol and was lost (the handshake then
+timed out; seen in the tests). The TLS protocol keeps bytes that arrive before its own
+``connection_made`` for the handshake. The rest of ``start_tls`` is driven from its waiter's
+done-callback.
+
+When the handshake is done the :class:`~relay.server.ClientConnection` takes the TLS
+transport as if it had been accepted with it. ``start_tls`` never calls ``connection_made``,
+and events for the TLS transport's protocol could come before the handover, so this protocol
+stands in until then and hands over what arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, cast
+
+from relay.server import ClientConnection
+
+if TYPE_CHECKING:
+    from relay.runtime import Relay
+
+_Start = Coroutine[Any, Any, asyncio.Transport | None]
+
+
+class TlsAccept(asyncio.Protocol):
+    """One accepted TCP connection of a TLS listener, until its handshake is done."""
+
+    __slots__ = ("_early", "_eof", "_lost", "_raw", "_start", "conn", "relay")
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.conn: ClientConnection | None = None  # set once the TLS transport is handed over
+        self._raw: asyncio.Transport | None = None
+        self._start: _Start | None = None
+        self._early: list[bytes] = []
+        self._eof = False
+        self._lost: tuple[Exception | None] | None = None
+
+    # -- the TCP connection
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        raw = cast("asyncio.Transport", transport)
+        relay = self.relay
+        peer = raw.get_extra_info("peername")
+        if not relay.allowed(peer[0] if isinstance(peer, tuple) else ""):
+            raw.abort()
+            return
+        if len(relay.handshakes) >= relay.config.listen.max_connections:
+            raw.abort()
+            return
+        assert relay.tls is not None
+        start = asyncio.get_running_loop().start_tls(
+            raw,
+            self,
+            relay.tls.listener,
+            server_side=True,
+            # SPEC §5a: header_timeout_s runs from accept, so it bounds the handshake too
+            # (asyncio's default is 60 s).
+            ssl_handshake_timeout=relay.config.listen.header_timeout_s,
+        )
+        self._raw, self._start = raw, start
+        relay.handshakes.add(self)
+        try:
+            waiter = start.send(None)  # the first step, now: see the module's docstring
+        except (StopIteration, Exception):
+            self._failed()
+            return
+        waiter.add_done_callback(self._handshaken)
+
+    def abort(self) -> None:
+        """Relay stops: the handshake ends, and so does the connection."""
+        if self._raw is not None:
+            self._raw.abort()
+
+    def _handshaken(self, _waiter: object) -> None:
+        start = self._start
+        assert start is not None
+        try:
+            start.send(None)  # start_tls returns its transport, or raises what ended it
+        except StopIteration as done:
+            self._hand_over(done.value)
+        except Exception:  # a failed or timed-out handshake, a reset: nothing to answer
+            self._failed()
+        else:  # start_tls awaits only its waiter
+            self._failed()
+
+    def _failed(self) -> None:
+        self.relay.handshakes.discard(self)
+        start, self._start = self._start, None
+        if start is not None:
+            with contextlib.suppress(BaseException):
+                start.close()
+        if self._raw is not None:
+            self._raw.abort()
+
+    def _hand_over(self, transport: asyncio.Transport | None) -> None:
+        self.relay.handshakes.discard(self)
+        self._start = None
+        if transport is None or transport.is_closing():
+            # Lost on the way (a close during the handshake wakes start_tls without an
+            # error): there is no connection left to admit.
+            if self._raw is not None:
+                self._raw.abort()
+            return
+        conn = ClientConnection(self.relay, tls=True)
+        self.conn = conn
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+        early, self._early = self._early, []
+        for data in early:
+            conn.data_received(data)
+        if self._eof and not conn.eof_received():
+            transport.close()
+        if self._lost is not None:
+            conn.connection_lost(self._lost[0])
+
+    # -- the TLS transport's protocol until the handover: what came before it
+    def data_received(self, data: bytes) -> None:
+        if self.conn is not None:
+            self.conn.data_received(data)
+        else:
+            self._early.append(data)
+
+    def eof_received(self) -> bool | None:
+        if self.conn is not None:
+            return self.conn.eof_received()
+        self._eof = True
+        return True  # kept open until the handover decides (the connection's own rule)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is not None:
+            self.conn.connection_lost(exc)
+        else:
+            self._lost = (exc,)
