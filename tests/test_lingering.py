@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from relay import closing
+from tests.support.certs import issue
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 
 SIZE = 8 * 1024 * 1024  # several times what the kernel buffers on loopback
@@ -181,3 +182,31 @@ async def test_lingering_ends(relay: RelayUnderTest, monkeypatch: pytest.MonkeyP
     await asyncio.wait_for(reading, 5)
     assert elapsed < 10, "relay never stopped lingering"
     assert bytes(received).startswith(b"HTTP/1.1 401 ")
+
+
+async def test_over_tls_the_answer_to_a_large_upload_is_read(tmp_path: Path) -> None:
+    """TLS cannot half-close, so relay lingers without a FIN: the client finishes its upload
+    and reads the answer. (Closing with TLS's close_notify instead, which would signal the
+    end at once, was tried: asyncio's client then failed its remaining writes with
+    "Connection lost", so it was dropped.)"""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    tls = {"listen": {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file)}}
+    host = f"49983-sbx.{DOMAIN}"
+    async with running_relay(tmp_path, [route("sbx", envd_token="envd-secret")], tls) as relay:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", relay.port, ssl=certs.client_context(), server_hostname=host
+        )
+        try:
+            head = f"POST /files?path=/big HTTP/1.1\r\nHost: {host}\r\nX-Access-Token: wrong\r\n"
+            writer.write(f"{head}Content-Length: {SIZE}\r\n\r\n".encode())
+            for _ in range(SIZE // len(BLOCK)):
+                writer.write(BLOCK)
+                await asyncio.wait_for(writer.drain(), 5)
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert answer.startswith(b"HTTP/1.1 401 ")
+            assert b"\r\nConnection: close\r\n" in answer
+            length = int(answer.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            body = await asyncio.wait_for(reader.readexactly(length), 5)
+            assert json.loads(body)["code"] == 401
+        finally:
+            writer.close()
