@@ -69,7 +69,7 @@ class TlsAccept(asyncio.Protocol):
         raw = cast("asyncio.Transport", transport)
         relay = self.relay
         peer = raw.get_extra_info("peername")
-        if not relay.allowed(peer[0] if isinstance(peer, tuple) else ""):
+        if relay.stopped or not relay.allowed(peer[0] if isinstance(peer, tuple) else ""):
             raw.abort()
             return
         if len(relay.handshakes) >= relay.config.listen.max_connections:

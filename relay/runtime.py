@@ -75,6 +75,7 @@ class Relay:
         self.live: dict[str, set[Live]] = {}
         self.inflight: dict[str, int] = {}
         self.draining = False
+        self.stopped = False  # stop() ran: a connection accepted just before is turned away
         self.management_address: tuple[str, int] = ("", 0)
         if config.management.upstream:
             parsed = parse_http_url(config.management.upstream)
@@ -134,7 +135,7 @@ class Relay:
 
     def admit(self, conn: ClientConnection) -> bool:
         """Admission of a new client connection; False when it was turned away."""
-        if not self.allowed(conn.peer):
+        if self.stopped or not self.allowed(conn.peer):
             assert conn.transport is not None
             conn.transport.abort()
             return False
@@ -358,6 +359,9 @@ class Relay:
             server.close()
 
     async def stop(self) -> None:
+        # uvloop may have accepted sockets whose connection_made is still queued: closing the
+        # listeners does not cancel those calls, so they see this flag (review of 39856e1).
+        self.stopped = True
         ACCESS_LOG.flush()
         for server in self._servers:
             server.close()

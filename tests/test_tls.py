@@ -12,6 +12,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from relay.handshake import TlsAccept
+from relay.server import ClientConnection
 from tests.support.certs import Issued, issue
 from tests.support.harness import DOMAIN, route, running_relay
 
@@ -174,3 +176,27 @@ async def test_stop_ends_the_handshakes_in_flight(tmp_path: Path) -> None:
         assert await asyncio.wait_for(reader.read(), 5) == b""
     assert not inner.handshakes
     writer.close()
+
+
+async def test_a_connection_accepted_as_relay_stops_is_turned_away(tmp_path: Path) -> None:
+    """uvloop queues connection_made for sockets it accepted in one poll; closing the listeners
+    does not cancel those calls, so one may come after stop() (found by review)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        inner = relay.relay
+    loop = asyncio.get_running_loop()
+
+    async def hang_up(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    peer = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = peer.sockets[0].getsockname()[1]
+    try:
+        for factory in (lambda: TlsAccept(inner), lambda: ClientConnection(inner, tls=False)):
+            transport, _ = await loop.create_connection(factory, "127.0.0.1", port)
+            assert transport.is_closing()  # aborted in connection_made
+        assert not inner.handshakes
+        assert not inner.connections
+    finally:
+        peer.close()
+        await peer.wait_closed()
