@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -200,3 +204,85 @@ async def test_a_connection_accepted_as_relay_stops_is_turned_away(tmp_path: Pat
     finally:
         peer.close()
         await peer.wait_closed()
+
+
+# -- every way a TLS client can go away leaves nothing behind ------------------------------------
+def _reset(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def _handshake(port: int, certs: Issued, host: str) -> ssl.SSLSocket:
+    raw = socket.create_connection(("127.0.0.1", port), timeout=3)
+    return certs.client_context().wrap_socket(raw, server_hostname=host)
+
+
+def _garbage(port: int, certs: Issued, host: str) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # plain HTTP on the TLS port
+        with contextlib.suppress(OSError):
+            sock.recv(100)
+
+
+def _hello_then_reset(port: int, certs: Issued, host: str) -> None:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=3)
+    sock.sendall(_client_hello())
+    time.sleep(0.05)
+    _reset(sock)
+
+
+def _hello_then_fin(port: int, certs: Issued, host: str) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+        sock.sendall(_client_hello())
+        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):
+            sock.recv(65536)
+
+
+def _connect_then_reset(port: int, certs: Issued, host: str) -> None:
+    _reset(socket.create_connection(("127.0.0.1", port), timeout=3))
+
+
+def _handshake_then_close(port: int, certs: Issued, host: str) -> None:
+    _handshake(port, certs, host).close()
+
+
+def _handshake_then_reset(port: int, certs: Issued, host: str) -> None:
+    _reset(_handshake(port, certs, host))
+
+
+def _request_then_close(port: int, certs: Issued, host: str) -> None:
+    tls = _handshake(port, certs, host)
+    tls.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    tls.close()
+
+
+def _silent_past_the_timeout(port: int, certs: Issued, host: str) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+        assert sock.recv(10) == b""  # closed by relay at header_timeout_s
+
+
+@pytest.mark.parametrize(
+    "client",
+    [
+        _garbage,
+        _hello_then_reset,
+        _hello_then_fin,
+        _connect_then_reset,
+        _handshake_then_close,
+        _handshake_then_reset,
+        _request_then_close,
+        _silent_past_the_timeout,
+    ],
+)
+async def test_a_tls_client_going_away_leaves_nothing_behind(
+    tmp_path: Path, client: Callable[[int, Issued, str], None]
+) -> None:
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    reported: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context))
+    overrides = _tls(certs, header_timeout_s=0.5)
+    async with running_relay(tmp_path, [route("tlsbox", insecure=True)], overrides) as relay:
+        await asyncio.to_thread(client, relay.port, certs, f"1-tlsbox.{DOMAIN}")
+        await _until(lambda: not relay.relay.handshakes and not relay.relay.connections)
+    assert reported == []
