@@ -36,16 +36,21 @@ async def scripted_upstream(handler: Handler) -> AsyncIterator[int]:
         server_.close()
 
 
+async def send_upload(writer: asyncio.StreamWriter, host: str, headers: str) -> None:
+    """A whole SIZE-byte upload, written before anything is read."""
+    head = f"POST /files?path=/big HTTP/1.1\r\nHost: {host}\r\n{headers}"
+    writer.write(f"{head}Content-Length: {SIZE}\r\n\r\n".encode())
+    for _ in range(SIZE // len(BLOCK)):
+        writer.write(BLOCK)
+        await asyncio.wait_for(writer.drain(), 5)
+
+
 async def upload_then_read(port: int, host: str, headers: str = "") -> tuple[bytes, bool]:
     """Send a whole SIZE-byte upload, then read: what a client that reads only after
     sending gets (the answer, and whether relay closed), or raises on a reset."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        head = f"POST /files?path=/big HTTP/1.1\r\nHost: {host}\r\n{headers}"
-        writer.write(f"{head}Content-Length: {SIZE}\r\n\r\n".encode())
-        for _ in range(SIZE // len(BLOCK)):
-            writer.write(BLOCK)
-            await asyncio.wait_for(writer.drain(), 5)
+        await send_upload(writer, host, headers)
         answer = await asyncio.wait_for(reader.read(65536), 5)
         closed = await asyncio.wait_for(reader.read(65536), 5) == b""
         return answer, closed
@@ -197,11 +202,7 @@ async def test_over_tls_the_answer_to_a_large_upload_is_read(tmp_path: Path) -> 
             "127.0.0.1", relay.port, ssl=certs.client_context(), server_hostname=host
         )
         try:
-            head = f"POST /files?path=/big HTTP/1.1\r\nHost: {host}\r\nX-Access-Token: wrong\r\n"
-            writer.write(f"{head}Content-Length: {SIZE}\r\n\r\n".encode())
-            for _ in range(SIZE // len(BLOCK)):
-                writer.write(BLOCK)
-                await asyncio.wait_for(writer.drain(), 5)
+            await send_upload(writer, host, "X-Access-Token: wrong\r\n")
             answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert answer.startswith(b"HTTP/1.1 401 ")
             assert b"\r\nConnection: close\r\n" in answer
