@@ -270,7 +270,10 @@ class Run:
                     "--crc",
                     str(self.stack.blob_crc),
                 ),
-                max(1, reps - 1),
+                # A round more than upload: the download's direct column shares core 0 with
+                # nothing of relay's, so another tenant's burst during one column's round
+                # swung the ratio 0.65-1.03x between runs (bench/README.md, "A sixth host").
+                reps,
                 "mib_s",
             ),
             Workload(
