@@ -89,7 +89,7 @@ class TlsAccept(asyncio.Protocol):
         relay.handshakes.add(self)
         try:
             waiter = start.send(None)  # the first step, now: see the module's docstring
-        except (StopIteration, Exception):
+        except Exception:  # StopIteration included: start_tls always waits for its handshake
             self._failed()
             return
         waiter.add_done_callback(self._handshaken)

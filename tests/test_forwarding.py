@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 from relay.forward import Exchange
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.ports import free_port
-from tests.support.rawhttp import Connection, request, request_bytes
+from tests.support.rawhttp import Connection, Response, request, request_bytes
 
 
 @dataclass
@@ -579,6 +579,12 @@ async def test_responses_one_after_another_on_a_pooled_connection(tmp_path: Path
     assert [len(heads) for heads in seen] == [3]  # all three on one upstream connection
 
 
+async def _interim_then_final(conn: Connection, port: int) -> tuple[Response, Response]:
+    """GET / on sandbox "hints": the 1xx and the final response relay passes on."""
+    await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
+    return await conn.read_response(), await conn.read_response()
+
+
 async def test_an_empty_reason_after_an_interim_response_is_not_the_interim_one(
     tmp_path: Path,
 ) -> None:
@@ -592,9 +598,7 @@ async def test_an_empty_reason_after_an_interim_response_is_not_the_interim_one(
         running_relay(tmp_path, [route("hints", insecure=True)]) as relay,
     ):
         conn = await Connection.open(relay.port)
-        await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
-        interim = await conn.read_response()
-        final = await conn.read_response()
+        interim, final = await _interim_then_final(conn, port)
         await conn.close()
     assert (interim.status, interim.reason) == (103, b"Early Hints")
     assert (final.status, final.reason, final.body) == (200, b"OK", b"ok")
@@ -617,9 +621,7 @@ async def test_an_interim_response_that_says_close_is_relayed_and_so_is_the_fina
         running_relay(tmp_path, [route("hints", insecure=True)]) as relay,
     ):
         conn = await Connection.open(relay.port)
-        await conn.send(request_bytes("GET", "/", app_host(port, "hints")))
-        interim = await conn.read_response()
-        final = await conn.read_response()
+        interim, final = await _interim_then_final(conn, port)
         await conn.send(request_bytes("GET", "/again", app_host(port, "hints")))
         after = await conn.read_response()
         await conn.close()
