@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -136,6 +138,56 @@ def test_lines_go_out_in_pipe_buf_pieces_cut_at_line_ends() -> None:
     lines = b"".join(stream.writes).splitlines()
     assert [json.loads(line)["path"] for line in lines] == paths
     assert [json.loads(line)["bytes_out"] for line in lines] == list(range(len(paths)))
+
+
+class _FileWrites(io.FileIO):
+    """A real file descriptor (a file or a pipe) whose writes are counted."""
+
+    def __init__(self, target: str | int, mode: str) -> None:
+        super().__init__(target, mode)
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return super().write(data)
+
+
+def _fill(log: AccessLog, lines: int) -> list[str]:
+    paths = [f"/p{i}{'x' * (i * 37 % 300)}" for i in range(lines)]
+    for i, path in enumerate(paths):
+        log.write_line(
+            float(i), "192.0.2.1", log_members("s", 1, "GET", path), 200, 0, i, 1.0, None
+        )
+    log.flush()
+    return paths
+
+
+def test_a_regular_file_gets_the_buffer_in_one_write(tmp_path: Path) -> None:
+    # Linux writes to a regular file under its lock: one write cannot interleave with another
+    # worker's, so the PIPE_BUF cutting (~5x the flush's time) is for pipes only.
+    stream = _FileWrites(str(tmp_path / "access.log"), "ab")
+    log = AccessLog()
+    log.configure(stream)
+    paths = _fill(log, 200)
+    stream.close()
+    assert len(stream.writes) == 1
+    assert len(stream.writes[0]) > accesslog.PIPE_BUF
+    lines = (tmp_path / "access.log").read_bytes().splitlines()
+    assert [json.loads(line)["path"] for line in lines] == paths
+
+
+def test_a_pipe_still_gets_pipe_buf_pieces() -> None:
+    read_fd, write_fd = os.pipe()
+    stream = _FileWrites(write_fd, "wb")
+    log = AccessLog()
+    log.configure(stream)
+    paths = _fill(log, 150)  # ~35 KiB: within the pipe's 64 KiB, so no reader is needed
+    stream.close()
+    with os.fdopen(read_fd, "rb") as reader:
+        lines = reader.read().splitlines()
+    assert len(stream.writes) > 1
+    assert all(len(piece) <= accesslog.PIPE_BUF for piece in stream.writes)
+    assert [json.loads(line)["path"] for line in lines] == paths
 
 
 def test_a_full_buffer_is_written_without_waiting_for_the_sweep() -> None:
