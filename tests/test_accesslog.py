@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from relay import accesslog
 from relay.accesslog import AccessLog
@@ -104,6 +106,44 @@ def test_members_without_a_request() -> None:
             "reason": "slow",
         }
     ]
+
+
+@given(
+    status=st.one_of(st.none(), st.integers(100, 599)),
+    duration=st.one_of(st.none(), st.floats(0, 1e9)),
+    reason=st.one_of(st.none(), st.text(max_size=20)),
+    sizes=st.tuples(st.integers(0, 2**63), st.integers(0, 2**63)),
+    when=st.floats(0, 4e9),
+)
+def test_the_usual_line_is_the_same_bytes_as_the_general_one(
+    status: int | None,
+    duration: float | None,
+    reason: str | None,
+    sizes: tuple[int, int],
+    when: float,
+) -> None:
+    # A served request (status, duration, no reason) takes a shorter format (_SERVED); its
+    # line must be what the general format makes of the same values.
+    stream = io.BytesIO()
+    log = AccessLog()
+    log.configure(stream)
+    members = log_members("s", 49983, "GET", "/p")
+    log.write_line(when, "::1", members, status, sizes[0], sizes[1], duration, reason)
+    log.flush()
+    general = accesslog._LINE % (
+        when,
+        '"::1"',
+        members,
+        "null" if status is None else status,
+        sizes[0],
+        sizes[1],
+        "null" if duration is None else f"{duration:.2f}",
+        "null" if reason is None else json.dumps(reason),
+    )
+    assert stream.getvalue() == general.encode()
+    line = json.loads(stream.getvalue())
+    assert (line["status"], line["bytes_in"], line["bytes_out"]) == (status, *sizes)
+    assert line["reason"] == reason
 
 
 class _Writes(io.BytesIO):
