@@ -11,8 +11,7 @@ To a regular file (``relay serve > access.log``) the buffer goes out in one ``wr
 holds the file's lock for the whole of a write to a regular file, so another worker's write
 lands before or after it, never inside (``PIPE_BUF`` is a pipe's rule). A flush of 64 KiB in
 4 KiB pieces took ~110 µs here, every ~300 requests of a busy worker, all of it latency for
-the requests in flight; in one write it takes ~20 µs (bench/README.md, "The access log's
-flush").
+the requests in flight; in one write it takes ~20 µs (bench/README.md, "A seventh host").
 
 Without :func:`configure` (tests, embedding), lines go to the ``relay.access`` logger.
 """
