@@ -85,11 +85,35 @@ def _setup_logging(level: str) -> None:
     )
     # Access-log lines are JSON documents of their own, written bare and buffered to stdout
     # (relay.accesslog); a log level above INFO turns them off.
-    if logging.getLogger("relay.access").isEnabledFor(logging.INFO):
+    # With stdout closed (``relay serve >&-``) Python has no sys.stdout: the lines then go
+    # through the ``relay.access`` logger to stderr rather than stopping the start.
+    if logging.getLogger("relay.access").isEnabledFor(logging.INFO) and sys.stdout is not None:
         accesslog.configure(sys.stdout.buffer)
 
 
+def _hold_standard_descriptors() -> None:
+    """Put /dev/null on descriptors 0-2 where the caller left them closed (``>&-``).
+
+    libuv refuses to close a descriptor below 3 (an assertion in ``uv__close``, which aborts
+    the process), and a closed 0, 1 or 2 is the first one a new socket gets: relay started
+    with stdout closed died at its first closed connection. Daemons fill them the same way.
+    With stdout closed Python has no ``sys.stdout`` (access lines then go through logging to
+    stderr); with stderr closed, stderr becomes the /dev/null put there.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            held = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+            if held != fd:
+                os.dup2(held, fd)
+                os.close(held)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - lives as long as the process
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _hold_standard_descriptors()
     config = load(args.config)
     _setup_logging(args.log_level)
     # Imported here so that check-config and sign-url start without the server stack.

@@ -43,18 +43,20 @@ _SERVED = (
 )
 FLUSH_AT = 64 * 1024
 PIPE_BUF = select.PIPE_BUF
+_write = os.write  # a name of its own, so that a test can count the calls
 
 
 class AccessLog:
     """Where access-log lines go: a buffered binary stream, or the ``relay.access`` logger."""
 
-    __slots__ = ("_buffer", "_pieces", "_size", "_stream")
+    __slots__ = ("_buffer", "_file", "_size", "_stream", "_torn")
 
     def __init__(self) -> None:
         self._stream: BinaryIO | None = None
         self._buffer: list[bytes] = []
         self._size = 0
-        self._pieces = True  # cut writes at PIPE_BUF: not known to be a regular file
+        self._file = -1  # the stream's descriptor when it is a regular file (one write)
+        self._torn = False  # a write to that file stopped inside a line
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +65,8 @@ class AccessLog:
     def configure(self, stream: BinaryIO | None) -> None:
         self.flush()
         self._stream = stream
-        self._pieces = not _regular_file(stream)
+        self._file = _regular_file(stream)
+        self._torn = False
 
     def write(
         self,
@@ -142,9 +145,9 @@ class AccessLog:
         piece: list[bytes] = []
         size = 0
         try:
-            if not self._pieces:
-                stream.write(b"".join(lines))
-                stream.flush()
+            if self._file >= 0:
+                stream.flush()  # whatever else went to the stream goes out first
+                self._write_file(self._file, b"".join(lines))
                 return
             for line in lines:
                 if size + len(line) > PIPE_BUF and piece:
@@ -154,17 +157,40 @@ class AccessLog:
                 size += len(line)
             stream.write(b"".join(piece))
             stream.flush()
-        except OSError:
-            pass  # a closed stdout must not take the data path down with it
+        except (OSError, ValueError):
+            pass  # a closed or full stdout must not take the data path down with it
+
+    def _write_file(self, fd: int, data: bytes) -> None:
+        """All of ``data`` in one ``write`` (more only if the kernel writes it short).
+
+        A write cut short by a full disk, a quota or ``RLIMIT_FSIZE`` raises once nothing more
+        fits, and the rest of the buffer is lost; the file then ends inside a line, so the
+        next write starts with a line end: one broken line, not that one glued to the next.
+        """
+        if self._torn:
+            data = b"\n" + data
+        view = memoryview(data)
+        try:
+            while view:
+                written = _write(fd, view)
+                if not written:
+                    break  # never for a regular file; no loop for ever if it were
+                view = view[written:]
+        finally:
+            written = len(data) - len(view)
+            if written:
+                self._torn = data[written - 1] != 0x0A  # b"\n"
 
 
-def _regular_file(stream: BinaryIO | None) -> bool:
+def _regular_file(stream: BinaryIO | None) -> int:
+    """The stream's descriptor if it is a regular file, else -1."""
     if stream is None:
-        return False
+        return -1
     try:
-        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+        fd = stream.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else -1
     except (OSError, ValueError, AttributeError):  # no descriptor (io.UnsupportedOperation)
-        return False
+        return -1
 
 
 ACCESS_LOG = AccessLog()

@@ -10,6 +10,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from relay.core.answers import log_members
 from relay.core.decide import Settings, decide
 from relay.core.model import Forward, RequestHead, Route
 from relay.core.routes import RouteTable
+from tests.support.harness import RelayProcess
 
 SETTINGS = Settings(domains=("e2b.test",), management=True)
 TABLE = RouteTable.of(
@@ -202,18 +206,80 @@ def _fill(log: AccessLog, lines: int) -> list[str]:
     return paths
 
 
-def test_a_regular_file_gets_the_buffer_in_one_write(tmp_path: Path) -> None:
+def test_a_regular_file_gets_the_buffer_in_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Linux writes to a regular file under its lock: one write cannot interleave with another
     # worker's, so the PIPE_BUF cutting (~5x the flush's time) is for pipes only.
-    stream = _FileWrites(str(tmp_path / "access.log"), "ab")
-    log = AccessLog()
-    log.configure(stream)
-    paths = _fill(log, 200)
-    stream.close()
-    assert len(stream.writes) == 1
-    assert len(stream.writes[0]) > accesslog.PIPE_BUF
+    writes: list[int] = []
+
+    def counted(fd: int, data: memoryview) -> int:
+        writes.append(len(data))
+        return os.write(fd, data)
+
+    monkeypatch.setattr(accesslog, "_write", counted)
+    with (tmp_path / "access.log").open("ab") as stream:
+        log = AccessLog()
+        log.configure(stream)
+        paths = _fill(log, 200)
+    assert len(writes) == 1
+    assert writes[0] > accesslog.PIPE_BUF
     lines = (tmp_path / "access.log").read_bytes().splitlines()
     assert [json.loads(line)["path"] for line in lines] == paths
+
+
+_TORN = """
+import resource, sys
+from relay.accesslog import AccessLog
+from relay.core.answers import log_members
+
+path, limit = sys.argv[1], int(sys.argv[2])
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+log = AccessLog()
+with open(path, "ab") as stream:
+    log.configure(stream)
+    for phase, count in (("full", 190), ("after", 20)):
+        # CPython ignores SIGXFSZ: past the limit write() fails with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit if phase == "full" else soft, hard))
+        for i in range(count):
+            members = log_members("s", 1, "GET", f"/{phase}{i}-" + "x" * 300)
+            log.write_line(float(i), "192.0.2.1", members, 200, 0, i, 1.0, None)
+        log.flush()
+"""
+
+
+def test_a_write_cut_short_by_a_full_file_breaks_one_line_only(tmp_path: Path) -> None:
+    # Found by review: a flush that stops inside a line (EFBIG here; ENOSPC or a quota
+    # alike) must not leave the next flush's first line glued to the torn one.
+    path = tmp_path / "access.log"
+    run = subprocess.run(
+        [sys.executable, "-c", _TORN, str(path), "30000"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    data = path.read_bytes()
+    # Up to the limit the file holds whole lines and then part of one; the lines that could
+    # not be written are lost; after it, a line end and then the later lines, intact.
+    cut, rest = data[:30000], data[30000:]
+    assert not cut.endswith(b"\n")
+    lines = cut.split(b"\n")
+    assert all(_is_json(line) for line in lines[:-1])
+    assert not _is_json(lines[-1])
+    assert rest.startswith(b"\n")
+    after = [json.loads(line)["path"] for line in rest[1:].splitlines()]
+    assert after == [f"/after{i}-" + "x" * 300 for i in range(20)]
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def test_a_pipe_still_gets_pipe_buf_pieces() -> None:
@@ -243,3 +309,19 @@ def test_a_full_buffer_is_written_without_waiting_for_the_sweep() -> None:
     written = b"".join(stream.writes)
     assert len(written) >= accesslog.FLUSH_AT
     assert len(written.splitlines()) == count
+
+
+def test_serve_with_stdout_closed_logs_to_stderr(tmp_path: Path) -> None:
+    # Found by review: `relay serve >&-` stopped at start (Python has no sys.stdout then).
+    relay = RelayProcess(tmp_path, [], close_stdout=True)
+    relay.start()
+    try:
+        with socket.create_connection(("127.0.0.1", relay.port), 5) as conn:
+            conn.sendall(b"GET /x HTTP/1.1\r\nHost: nowhere.example\r\nConnection: close\r\n\r\n")
+            assert conn.recv(100).startswith(b"HTTP/1.1 404")
+    finally:
+        assert relay.stop() == 0
+    err = (tmp_path / "relay.stderr").read_text()
+    logged = [line for line in err.splitlines() if "relay.access" in line]
+    assert len(logged) == 1, err
+    assert json.loads(logged[0].split("relay.access ", 1)[1])["status"] == 404

@@ -151,6 +151,7 @@ class RelayProcess:
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] | None = None  # the child's environment (default: inherited)
     args: list[str] = field(default_factory=list)  # extra ``relay serve`` arguments
+    close_stdout: bool = False  # start with descriptor 1 closed (``relay serve >&-``)
 
     @property
     def url(self) -> str:
@@ -192,6 +193,7 @@ class RelayProcess:
             stdout=self.stdout,
             stderr=self.stderr,
             env=self.env,
+            preexec_fn=_close_stdout if self.close_stdout else None,  # noqa: PLW1509
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -241,6 +243,10 @@ class RelayProcess:
         self.stdout.close()
         self.stderr.close()
         return self.proc.returncode
+
+
+def _close_stdout() -> None:
+    os.close(1)
 
 
 @contextlib.contextmanager
