@@ -340,7 +340,14 @@ class ClientConnection(Closing, asyncio.Protocol):
         if exchange is not self.active:
             return
         self.active = None
-        if not keep_alive or self.closing or (self.parser is None and self._refusal is None):
+        # No parser and no refusal waiting: llhttp stopped at an upgrade. The connection ends
+        # here unless that upgrade request is still queued behind this one (RFC 9112 §9.3.2:
+        # pipelined requests are answered in order, a WebSocket handshake among them).
+        if (
+            not keep_alive
+            or self.closing
+            or (self.parser is None and self._refusal is None and not self.queue)
+        ):
             self.close()
             return
         if self._starting:

@@ -142,3 +142,34 @@ async def test_a_spliced_connection_keeps_no_http_parser(
         assert len(splices) == 1
         upstream = splices[0].upstream  # type: ignore[attr-defined]
         assert upstream.reader is None
+
+
+async def test_a_handshake_pipelined_behind_a_request_is_answered_after_it(
+    relay: RelayUnderTest, ws_app: WsApp
+) -> None:
+    # RFC 9112 §9.3.2: pipelined requests are answered in order, an upgrade among them too.
+    # relay closed the connection after the first answer instead (llhttp stops at the
+    # upgrade, and a connection with no parser left was taken for one that must close).
+    host = f"Host: {ws_app.port}-wsbox.{DOMAIN}\r\nE2b-Traffic-Access-Token: tt\r\n"
+    handshake = (
+        f"GET /ws HTTP/1.1\r\n{host}Connection: Upgrade\r\nUpgrade: websocket\r\n"
+        "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    try:
+        writer.write(f"GET /plain HTTP/1.1\r\n{host}\r\n{handshake}".encode())
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert first.startswith(b"HTTP/1.1 404"), first
+        length = next(
+            int(line.split(b":")[1])
+            for line in first.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await asyncio.wait_for(reader.readexactly(length), 5)
+        second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert second.startswith(b"HTTP/1.1 101"), second
+        writer.write(b"\x81\x82abcd" + bytes(b ^ b"abcd"[i % 4] for i, b in enumerate(b"hi")))
+        echo = await asyncio.wait_for(reader.readexactly(9), 5)
+        assert echo == b"\x81\x07echo:hi"
+    finally:
+        writer.close()
