@@ -144,15 +144,17 @@ async def test_a_spliced_connection_keeps_no_http_parser(
         assert upstream.reader is None
 
 
+@pytest.mark.parametrize("token", ["tt", "wrong"])
 async def test_a_handshake_pipelined_behind_a_request_is_answered_after_it(
-    relay: RelayUnderTest, ws_app: WsApp
+    relay: RelayUnderTest, ws_app: WsApp, token: str
 ) -> None:
     # RFC 9112 §9.3.2: pipelined requests are answered in order, an upgrade among them too.
     # relay closed the connection after the first answer instead (llhttp stops at the
     # upgrade, and a connection with no parser left was taken for one that must close).
     host = f"Host: {ws_app.port}-wsbox.{DOMAIN}\r\nE2b-Traffic-Access-Token: tt\r\n"
     handshake = (
-        f"GET /ws HTTP/1.1\r\n{host}Connection: Upgrade\r\nUpgrade: websocket\r\n"
+        f"GET /ws HTTP/1.1\r\nHost: {ws_app.port}-wsbox.{DOMAIN}\r\n"
+        f"E2b-Traffic-Access-Token: {token}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
         "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
     )
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
@@ -167,6 +169,11 @@ async def test_a_handshake_pipelined_behind_a_request_is_answered_after_it(
         )
         await asyncio.wait_for(reader.readexactly(length), 5)
         second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        if token != "tt":  # refused: answered in its turn, then the connection ends
+            assert second.startswith(b"HTTP/1.1 403"), second
+            await asyncio.wait_for(reader.read(), 5)  # the body, then EOF (no hang)
+            assert reader.at_eof()
+            return
         assert second.startswith(b"HTTP/1.1 101"), second
         writer.write(b"\x81\x82abcd" + bytes(b ^ b"abcd"[i % 4] for i, b in enumerate(b"hi")))
         echo = await asyncio.wait_for(reader.readexactly(9), 5)
