@@ -104,10 +104,8 @@ def _hold_standard_descriptors() -> None:
         try:
             os.fstat(fd)
         except OSError:
-            held = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
-            if held != fd:
-                os.dup2(held, fd)
-                os.close(held)
+            # The lowest free descriptor is this one: those below it are open or filled.
+            os.open(os.devnull, os.O_RDWR)
     if sys.stderr is None:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - lives as long as the process
 

@@ -177,9 +177,9 @@ class AccessLog:
                     break  # never for a regular file; no loop for ever if it were
                 view = view[written:]
         finally:
-            written = len(data) - len(view)
-            if written:
-                self._torn = data[written - 1] != 0x0A  # b"\n"
+            done = len(data) - len(view)
+            if done:
+                self._torn = data[done - 1] != 0x0A  # b"\n"
 
 
 def _regular_file(stream: BinaryIO | None) -> int:

@@ -115,7 +115,7 @@ class TlsAccept(asyncio.Protocol):
         self.relay.handshakes.discard(self)
         start, self._start = self._start, None
         if start is not None:
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception):  # RuntimeError if it ignored GeneratorExit
                 start.close()
         if self._raw is not None:
             self._raw.abort()
