@@ -65,11 +65,20 @@ def small(head: RequestHead) -> bool:
 
 
 class DecisionMemory:
-    __slots__ = ("_expiring", "_timeless")
+    """Two memories keyed by the head's values, and a shortcut on the head object itself.
+
+    The shortcut: a timeless decision is also stored on the ``RequestHead`` it was asked for
+    (``RequestHead.decided``) with the current epoch, a new one after every ``forget``. A
+    kept-alive connection reuses its head object for a repeated request (``relay.server``),
+    and the next ``decide`` for it is then an identity check instead of building and hashing
+    a key of the whole head (~0.5 µs for a three-field head, more for an SDK's dozen)."""
+
+    __slots__ = ("_expiring", "_timeless", "epoch")
 
     def __init__(self) -> None:
         self._timeless: dict[Key, Decision] = {}
         self._expiring: dict[Key, Forward] = {}
+        self.epoch = object()  # read by Relay.decide, which checks the shortcut itself
 
     def decide(
         self,
@@ -80,6 +89,9 @@ class DecisionMemory:
         inflight: Mapping[str, int],
     ) -> Decision:
         """``relay.core.decide(head, ...)``, remembered when it may be."""
+        shortcut = head.decided
+        if shortcut is not None and shortcut[0] is self.epoch:
+            return shortcut[1]
         if len(head.headers) > MEMO_FIELDS:
             # Never remembered (MEMO_FIELDS), so not looked for: the lookup would only hash
             # every field for nothing.
@@ -95,6 +107,7 @@ class DecisionMemory:
         )
         decision = self._timeless.get(key)
         if decision is not None:
+            head.decided = (self.epoch, decision)
             return decision
         now = int(time.time())
         expiring = self._expiring.get(key)
@@ -106,12 +119,14 @@ class DecisionMemory:
                 _remember(self._expiring, key, decision)
             else:
                 _remember(self._timeless, key, decision)
+                head.decided = (self.epoch, decision)
         return decision
 
     def forget(self) -> None:
         """The table, the settings or the feed state changed: no remembered decision holds."""
         self._timeless.clear()
         self._expiring.clear()
+        self.epoch = object()  # and none remembered on a head object
 
 
 def _remember(memory: dict[Key, D], key: Key, decision: D) -> None:

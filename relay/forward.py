@@ -112,13 +112,12 @@ class Exchange(Respond):
         self._dial_task = relay.spawn(self._dial(key))
 
     def _pool_key(self, decision: Forward) -> PoolKey:
-        if decision.kind is MANAGEMENT:
+        key = decision.pool_key  # made with the decision (relay.core.decide)
+        if key is None:  # the management upstream: an address of relay's configuration
+            assert decision.kind is MANAGEMENT
             host, port = self.client.relay.management_address
             return PoolKey("", 0, host, port)
-        assert decision.route is not None
-        assert decision.target is not None
-        route = decision.route
-        return PoolKey(route.sandbox_id, route.generation, route.address, decision.target.port)
+        return key
 
     async def _dial(self, key: PoolKey) -> None:
         relay = self.client.relay

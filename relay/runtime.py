@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -50,6 +50,30 @@ class Live(Protocol):
     def revoke(self) -> None: ...
 
 
+class Inflight(Mapping[str, int]):
+    """In-flight exchanges per sandbox (SPEC §5a ``max_connections``), read off the live
+    index: the count is the size of the sandbox's set, so registering an exchange keeps one
+    structure, not a set and a counter."""
+
+    __slots__ = ("_live",)
+
+    def __init__(self, live: dict[str, set[Live]]) -> None:
+        self._live = live
+
+    def __getitem__(self, sandbox_id: str) -> int:
+        return len(self._live[sandbox_id])
+
+    def get(self, sandbox_id: str, default: int = 0) -> int:  # type: ignore[override]
+        items = self._live.get(sandbox_id)
+        return default if items is None else len(items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
 class Relay:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -73,7 +97,7 @@ class Relay:
         self.connections: set[ClientConnection] = set()
         self.handshakes: set[TlsAccept] = set()  # TLS connections still in their handshake
         self.live: dict[str, set[Live]] = {}
-        self.inflight: dict[str, int] = {}
+        self.inflight = Inflight(self.live)
         self.draining = False
         self.stopped = False  # stop() ran: a connection accepted just before is turned away
         self.management_address: tuple[str, int] = ("", 0)
@@ -123,6 +147,9 @@ class Relay:
 
     def decide(self, head: RequestHead) -> Decision:
         """``relay.core.decide`` for this relay, remembered (``relay.decisions``)."""
+        shortcut = head.decided  # DecisionMemory's shortcut, checked here without a call
+        if shortcut is not None and shortcut[0] is self._decisions.epoch and not self.draining:
+            return shortcut[1]
         if self.draining:
             return Reject(reason=Reason.DRAINING, retry_after=1)
         return self._decisions.decide(
@@ -159,7 +186,6 @@ class Relay:
         if items is None:
             items = self.live[sandbox_id] = set()
         items.add(item)
-        self.inflight[sandbox_id] = self.inflight.get(sandbox_id, 0) + 1
 
     def unregister(self, item: Live) -> None:
         sandbox_id = _sandbox_of(item)
@@ -169,12 +195,8 @@ class Relay:
         if items is None or item not in items:
             return
         items.discard(item)
-        count = self.inflight.get(sandbox_id, 1) - 1
-        if items:
-            self.inflight[sandbox_id] = count
-        else:
+        if not items:
             del self.live[sandbox_id]
-            self.inflight.pop(sandbox_id, None)
 
     def revoke(self, sandbox_ids: frozenset[str]) -> int:
         ended = 0

@@ -180,8 +180,12 @@ class ClientConnection(Closing, asyncio.Protocol):
         the read is exactly that head, the connection is at the start of a message, and the
         request has no body, so it also ends here."""
         self._stalled = 0
+        self._head_raw = 0
         try:
-            self.on_message_begin()
+            self._begin()
+            # The whole head is here: no head deadline to start and stop, only the idle wait
+            # (or the first head's, from accept) to end.
+            self.relay.timers.busy(self)
             self._head(known, upgrade=False, read=data)
             self.on_message_complete()
         except Exception as exc:  # what data_received does with a callback's exception
@@ -214,15 +218,18 @@ class ClientConnection(Closing, asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self.parser is None:
             return  # refused and closing within this read: what follows is not a request
+        self._begin()
+        if self.requests:
+            self._head_raw = 0
+            self.relay.timers.expect_head(self)  # SPEC §5a: from the first byte of a request
+
+    def _begin(self) -> None:
         self._url = b""
         self._headers = []
         self._head_bytes = 0
         self._in_head = True
         self._mid_message = True
         self._at_start = False
-        if self.requests:
-            self._head_raw = 0
-            self.relay.timers.expect_head(self)  # SPEC §5a: from the first byte of a request
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -293,7 +300,8 @@ class ClientConnection(Closing, asyncio.Protocol):
             self.pause(PAUSE_QUEUE)
         # After start(), which writes the head upstream: the bookkeeping waits for the write
         # (on an idle core every line before it is latency; bench/README.md, "cold requests").
-        self.relay.timers.head_done(self)
+        if not read:  # a replayed head started no deadline (_replay)
+            self.relay.timers.head_done(self)
 
     def on_body(self, body: bytes) -> None:
         self._moved = True

@@ -61,6 +61,11 @@ class Timers:
         self._head.pop(conn, None)
         self._head[conn] = self._clock()
 
+    def busy(self, conn: Waiting) -> None:
+        """A whole request head arrived at once: no wait of either kind runs on."""
+        self._head.pop(conn, None)
+        self._idle.pop(conn, None)
+
     def head_done(self, conn: Waiting) -> None:
         self._head.pop(conn, None)
 

@@ -17,28 +17,21 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
+from relay.core.model import PoolKey
 from relay.outbox import Outbox
 from relay.timers import CLOSE_GRACE_S
 
 if TYPE_CHECKING:
     from relay.response import ResponseReader
 
+__all__ = ["DialError", "Pool", "PoolKey", "UpstreamConnection"]
+
 log = logging.getLogger("relay.upstream")
 
 # SPEC §4 / E2B's SandboxProxyRetries: envd's port forwarding can lag the route by up to 1 s.
 RETRY_DELAYS_S = (0.1, 0.2, 0.3, 0.4)
-
-
-class PoolKey(NamedTuple):
-    """A pool's identity. A NamedTuple, not a frozen dataclass: one is made per request, and a
-    tuple is built and hashed in C."""
-
-    sandbox_id: str  # "" for the management upstream
-    generation: int
-    address: str
-    port: int
 
 
 class Owner(Protocol):
@@ -65,6 +58,7 @@ class UpstreamConnection(asyncio.Protocol):
         "key",
         "owner",
         "pool",
+        "read_paused",
         "reader",
         "transport",
         "uses",
@@ -79,6 +73,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.closed = False
         self.write_paused = False  # the transport's buffer is over its high-water mark
+        self.read_paused = False  # pause_reading() was called last (release undoes it)
         self.uses = 0
         # llhttp's reader of this connection's responses, made by its first exchange and
         # handed from one exchange to the next (relay.forward.Exchange._attach): responses on
@@ -137,10 +132,12 @@ class UpstreamConnection(asyncio.Protocol):
 
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:
+            self.read_paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         if self.transport is not None and not self.closed:
+            self.read_paused = False
             self.transport.resume_reading()
 
     def close(self) -> None:
@@ -235,7 +232,8 @@ class Pool:
             conn.close()
             return
         conn.idle_since = self._clock()
-        conn.resume_reading()  # an idle connection must see the upstream's EOF
+        if conn.read_paused:
+            conn.resume_reading()  # an idle connection must see the upstream's EOF
         idle.append(conn)
 
     def closing_slowly(self, conn: UpstreamConnection) -> None:

@@ -10,10 +10,19 @@ import pytest
 
 from relay.core.auth import file_signature
 from relay.core.decide import FeedState, Settings
-from relay.core.model import Forward, Reason, Reject, RequestHead, Route, Target
+from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route, Target
 from relay.core.routes import RouteTable
 from relay.decisions import MEMO_BYTES, MEMO_FIELDS, DecisionMemory
 from tests.support.harness import DOMAIN, route, running_relay
+
+
+class InFlight:
+    """Stands for an exchange in the live index (relay.runtime.Live)."""
+
+    decision: Decision | None = None
+
+    def revoke(self) -> None:
+        raise AssertionError("nothing is revoked here")
 
 
 def head(target: bytes, host: bytes, *extra: tuple[bytes, bytes]) -> RequestHead:
@@ -39,6 +48,36 @@ async def test_a_repeated_head_is_decided_once_until_the_table_changes(tmp_path:
         assert after.reason is Reason.ENVD_UNAUTHORIZED
 
 
+async def test_a_head_object_keeps_its_decision_only_while_the_memory_does(
+    tmp_path: Path,
+) -> None:
+    # relay.server reuses a connection's RequestHead for a repeated request, and the decision
+    # rides on that object (RequestHead.decided): it must hold exactly as long as the memory's.
+    async with running_relay(tmp_path, [route("mem", envd_token="tok")]) as r:
+        relay = r.relay
+        fields = (b"X-Access-Token", b"tok")
+        request = head(b"/health", f"49983-mem.{DOMAIN}".encode(), fields)
+        first = relay.decide(request)
+        assert request.decided is not None
+        assert request.decided[1] is first
+        twin = head(b"/health", f"49983-mem.{DOMAIN}".encode(), fields)
+        assert twin == request  # the shortcut is not part of the value
+        assert relay.decide(twin) is first  # found by value, then kept on the twin too
+        assert twin.decided is not None
+        assert twin.decided[1] is first
+        relay.draining = True
+        drained = relay.decide(request)
+        assert isinstance(drained, Reject)
+        assert drained.reason is Reason.DRAINING
+        relay.draining = False
+        assert relay.decide(request) is first
+        relay.settings = relay.settings  # a reload: every decision is forgotten
+        again = relay.decide(request)
+        assert again is not first
+        assert again == first
+        assert relay.decide(twin) is again  # the twin's shortcut went with the old epoch
+
+
 async def test_clock_and_count_dependent_decisions_are_not_remembered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -61,11 +100,12 @@ async def test_clock_and_count_dependent_decisions_are_not_remembered(
 
         limited = head(b"/", f"8080-lim.{DOMAIN}".encode())
         assert isinstance(relay.decide(limited), Forward)
-        relay.inflight["lim"] = 1
+        relay.live["lim"] = {InFlight()}  # one exchange in flight (relay.runtime.Inflight)
+        assert relay.inflight.get("lim") == 1
         refused = relay.decide(limited)
         assert isinstance(refused, Reject)
         assert refused.reason is Reason.SANDBOX_LIMIT
-        relay.inflight.pop("lim")
+        del relay.live["lim"]
         assert isinstance(relay.decide(limited), Forward)
 
 

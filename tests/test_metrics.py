@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -17,8 +19,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from relay.core.model import Forward, Framing, Kind, Reason, Reject, RequestHead
 from relay.metrics import SPECS, families, read_snapshots, write_snapshot
-from relay.observe import Histogram
+from relay.observe import Histogram, Observer
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.ops import get, samples, value
 from tests.support.ports import free_port
@@ -32,6 +35,53 @@ def test_histogram_buckets_are_upper_bounds_inclusive() -> None:
         h.observe(v)
     assert h.counts == [2, 2, 1]
     assert h.total == pytest.approx(4.65)
+
+
+class _Done:
+    """What Observer.exchange_done reads off a finished exchange (relay.respond.Respond)."""
+
+    def __init__(self, decision: Forward | Reject, status: int) -> None:
+        self.decision = decision
+        self.status = status
+        self.bytes_in = 1
+        self.bytes_out = 2
+        self.reason = ""
+        self.started_at = time.monotonic()
+        self.head = RequestHead(method=b"GET", target=b"/x?q", version="1.1", headers=())
+        self.client = SimpleNamespace(peer="127.0.0.1")
+
+
+def test_requests_are_counted_by_kind_and_status_class() -> None:
+    observer = Observer()
+    forward = Forward(
+        kind=Kind.ENVD,
+        target=None,
+        route=None,
+        method=b"GET",
+        path=b"/",
+        headers=(),
+        framing=Framing.NONE,
+        content_length=0,
+        wire=b"",
+    )
+    statuses = (0, 101, 200, 204, 302, 404, 503, 599, 600, 999, 1000)
+    for status in statuses:
+        observer.exchange_done(_Done(forward, status))  # type: ignore[arg-type]
+    refused = Reject(reason=Reason.NOT_FOUND)
+    observer.exchange_done(_Done(refused, 502))  # type: ignore[arg-type]
+    observer.connection_refused(Reject(reason=Reason.HEADERS_TOO_LARGE), "127.0.0.1")
+    assert observer.requests == {
+        ("envd", "none"): 4,  # no response, and statuses no class covers
+        ("envd", "1xx"): 1,
+        ("envd", "2xx"): 2,
+        ("envd", "3xx"): 1,
+        ("envd", "4xx"): 1,
+        ("envd", "5xx"): 2,
+        ("refused", "5xx"): 1,
+        ("refused", "4xx"): 1,
+    }
+    observer.first_response_byte(_Done(forward, 200))  # type: ignore[arg-type]
+    assert sum(observer.first_byte["envd"].counts) == 1
 
 
 def _snap(pid: int, requests: int, connections: int, routes: int) -> dict[str, Any]:

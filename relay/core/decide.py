@@ -24,6 +24,7 @@ from relay.core.model import (
     Forward,
     Framing,
     Kind,
+    PoolKey,
     Reason,
     Reject,
     RequestHead,
@@ -266,5 +267,10 @@ def _forward(
         websocket=rules.websocket,
         log_path=split.clean_path,
         log_fields=answers.log_members(sandbox_id, port, method, split.clean_path),
+        pool_key=(
+            PoolKey(route.sandbox_id, route.generation, route.address, port)
+            if route is not None and port is not None
+            else None
+        ),
         expires=expires,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
@@ -35,6 +36,17 @@ class Framing(enum.Enum):
     NONE = "none"
     LENGTH = "length"
     CHUNKED = "chunked"
+
+
+class PoolKey(NamedTuple):
+    """Where a forwarded request goes, and an upstream pool's identity (SPEC §4: pooled per
+    sandbox id, generation, address and port). A NamedTuple, not a dataclass: it is built and
+    hashed in C. Made once with a :class:`Forward`, so a remembered decision remembers it."""
+
+    sandbox_id: str  # "" for the management upstream
+    generation: int
+    address: str
+    port: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +69,10 @@ class RequestHead:
     tls: bool = False
     # True when llhttp saw ``Connection: upgrade`` together with an ``Upgrade`` field.
     upgrade: bool = False
+    # Not part of the value: the decision remembered for this head object, with the memory's
+    # epoch it holds for (``relay.decisions``). A kept-alive connection reuses the head of a
+    # repeated request (``relay.server``), which then skips the memory's hashed lookup.
+    decided: tuple[object, Decision] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,6 +226,8 @@ class Forward:
     # The request head exactly as written upstream (method, path, headers above): made once
     # with the decision, so a remembered decision also remembers its serialisation.
     wire: bytes
+    # The upstream pool it goes to; None for the management upstream (the adapter's address).
+    pool_key: PoolKey | None = None
     # The last Unix second at which this decision holds: a signed URL's
     # ``signature_expiration`` (``auth.envd_verdict``). None: it does not depend on the clock.
     expires: int | None = None
