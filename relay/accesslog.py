@@ -49,12 +49,16 @@ _write = os.write  # a name of its own, so that a test can count the calls
 class AccessLog:
     """Where access-log lines go: a buffered binary stream, or the ``relay.access`` logger."""
 
-    __slots__ = ("_buffer", "_file", "_size", "_stream", "_torn")
+    __slots__ = ("_buffer", "_file", "_size", "_stream", "_torn", "buffering")
 
     def __init__(self) -> None:
         self._stream: BinaryIO | None = None
-        self._buffer: list[bytes] = []
+        # Lines as str, encoded once per flush, not once per line: every line is ASCII
+        # (strings escaped by encode_basestring_ascii, numbers, JSON words), so a line's
+        # length in characters is its length in bytes.
+        self._buffer: list[str] = []
         self._size = 0
+        self.buffering = False  # configured with a stream: lines are always written
         self._file = -1  # the stream's descriptor when it is a regular file (one write)
         self._torn = False  # a write to that file stopped inside a line
 
@@ -65,6 +69,7 @@ class AccessLog:
     def configure(self, stream: BinaryIO | None) -> None:
         self.flush()
         self._stream = stream
+        self.buffering = stream is not None
         self._file = _regular_file(stream)
         self._torn = False
 
@@ -107,32 +112,43 @@ class AccessLog:
     ) -> None:
         """One line, the request's members already made (``Forward.log_fields``)."""
         if status is not None and duration_ms is not None and reason is None:
-            line = _SERVED % (
-                time,
-                _escape(client),
-                members,
-                status,
-                bytes_in,
-                bytes_out,
-                duration_ms,
-            )
-        else:
-            line = _LINE % (
-                time,
-                _escape(client),
-                members,
-                "null" if status is None else status,
-                bytes_in,
-                bytes_out,
-                "null" if duration_ms is None else f"{duration_ms:.2f}",
-                "null" if reason is None else _escape(reason),
-            )
+            self.served(time, client, members, status, bytes_in, bytes_out, duration_ms)
+            return
+        line = _LINE % (
+            time,
+            _escape(client),
+            members,
+            "null" if status is None else status,
+            bytes_in,
+            bytes_out,
+            "null" if duration_ms is None else f"{duration_ms:.2f}",
+            "null" if reason is None else _escape(reason),
+        )
         if self._stream is None:
             logger.info(line[:-1])
             return
-        data = line.encode()
-        self._buffer.append(data)
-        self._size += len(data)
+        self._buffer.append(line)
+        self._size += len(line)
+        if self._size >= FLUSH_AT:
+            self.flush()
+
+    def served(
+        self,
+        time: float,
+        client: str,
+        members: str,
+        status: int,
+        bytes_in: int,
+        bytes_out: int,
+        duration_ms: float,
+    ) -> None:
+        """The usual line: a status, a duration and no reason (one ``%``, no conditionals)."""
+        line = _SERVED % (time, _escape(client), members, status, bytes_in, bytes_out, duration_ms)
+        if self._stream is None:
+            logger.info(line[:-1])
+            return
+        self._buffer.append(line)
+        self._size += len(line)
         if self._size >= FLUSH_AT:
             self.flush()
 
@@ -142,20 +158,20 @@ class AccessLog:
             return
         self._buffer = []
         self._size = 0
-        piece: list[bytes] = []
+        piece: list[str] = []
         size = 0
         try:
             if self._file >= 0:
                 stream.flush()  # whatever else went to the stream goes out first
-                self._write_file(self._file, b"".join(lines))
+                self._write_file(self._file, "".join(lines).encode())
                 return
             for line in lines:
                 if size + len(line) > PIPE_BUF and piece:
-                    stream.write(b"".join(piece))
+                    stream.write("".join(piece).encode())
                     piece, size = [], 0
                 piece.append(line)
                 size += len(line)
-            stream.write(b"".join(piece))
+            stream.write("".join(piece).encode())
             stream.flush()
         except (OSError, ValueError):
             pass  # a closed or full stdout must not take the data path down with it

@@ -148,20 +148,28 @@ class Observer:
         self.feed_failing_since = None
 
     def exchange_done(self, exchange: Respond) -> None:
+        # On the path of every request: each value is read once, and the usual line takes
+        # AccessLog.served, which has no conditionals (relay.accesslog).
         decision = exchange.decision
-        kind = decision.kind._value_ if isinstance(decision, Forward) else "refused"
         status = exchange.status
-        counts = self._tally.get(kind)  # _count, spelled out on the path of every request
+        bytes_in = exchange.bytes_in
+        bytes_out = exchange.bytes_out
+        if isinstance(decision, Forward):
+            kind = decision.kind._value_
+            members = decision.log_fields  # made once with the (often remembered) decision
+        else:
+            kind = "refused"
+            members = ""
+        counts = self._tally.get(kind)  # _count, spelled out
         if counts is None:
             counts = self._tally[kind] = [0] * len(_CLASS_BY_HUNDRED)
         counts[status // 100 if 0 <= status < 1000 else 0] += 1
-        self.bytes_in += exchange.bytes_in
-        self.bytes_out += exchange.bytes_out
-        if not ACCESS_LOG.enabled:
+        self.bytes_in += bytes_in
+        self.bytes_out += bytes_out
+        access = ACCESS_LOG
+        if not access.buffering and not access.enabled:
             return
-        if isinstance(decision, Forward):
-            members = decision.log_fields  # made once with the (often remembered) decision
-        else:
+        if not members:
             head = exchange.head
             members = log_members(
                 decision.sandbox_id if isinstance(decision, Reject) else None,
@@ -169,16 +177,22 @@ class Observer:
                 head.method.decode("latin-1"),
                 _path_only(head.target),
             )
-        ACCESS_LOG.write_line(
-            time.time(),
-            exchange.client.peer,
-            members,
-            status,
-            exchange.bytes_in,
-            exchange.bytes_out,
-            (time.monotonic() - exchange.started_at) * 1000,
-            exchange.reason or None,
-        )
+        duration_ms = (time.monotonic() - exchange.started_at) * 1000
+        if exchange.reason:
+            access.write_line(
+                time.time(),
+                exchange.client.peer,
+                members,
+                status,
+                bytes_in,
+                bytes_out,
+                duration_ms,
+                exchange.reason,
+            )
+        else:
+            access.served(
+                time.time(), exchange.client.peer, members, status, bytes_in, bytes_out, duration_ms
+            )
 
     def splice_done(self, splice: Splice) -> None:
         self.websockets_closed += 1
