@@ -180,7 +180,6 @@ class ClientConnection(Closing, asyncio.Protocol):
         the read is exactly that head, the connection is at the start of a message, and the
         request has no body, so it also ends here."""
         self._stalled = 0
-        self._head_raw = 0
         try:
             self._begin()
             # The whole head is here: no head deadline to start and stop, only the idle wait
@@ -220,7 +219,6 @@ class ClientConnection(Closing, asyncio.Protocol):
             return  # refused and closing within this read: what follows is not a request
         self._begin()
         if self.requests:
-            self._head_raw = 0
             self.relay.timers.expect_head(self)  # SPEC §5a: from the first byte of a request
 
     def _begin(self) -> None:
@@ -309,6 +307,10 @@ class ClientConnection(Closing, asyncio.Protocol):
             self.receiving.request_body(body)
 
     def on_message_complete(self) -> None:
+        # The next head's bytes count from here (the limit and the 408 of a partial head,
+        # relay.closing): not from its on_message_begin, which comes after data_received has
+        # counted the read that begins it.
+        self._head_raw = 0
         self._moved = True
         self._mid_message = False
         self._at_start = self._keep

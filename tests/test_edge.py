@@ -110,6 +110,40 @@ async def test_slow_head_is_closed(relay: RelayUnderTest) -> None:
     await conn.close()
 
 
+@pytest.mark.parametrize("earlier", [1, 3], ids=["parsed", "replayed"])
+async def test_slow_head_of_a_later_request_is_answered_408(
+    relay: RelayUnderTest, earlier: int
+) -> None:
+    # SPEC §5a: the header timeout runs from the first byte of each later request too, and a
+    # partial head gets its 408 there as on a first request (found by review: it was closed
+    # silently, the read that began the head being left out of the count). From the second
+    # time relay sees a whole head in one read it replays it without llhttp (relay.heads).
+    conn = await Connection.open(relay.port)
+    whole = f"GET / HTTP/1.1\r\nHost: 49983-ghost.{DOMAIN}\r\n\r\n".encode()
+    for _ in range(earlier):
+        await conn.send(whole)
+        assert (await conn.read_response(timeout=3)).status == 502  # kept alive
+    await conn.send(b"GET / HTTP/1.1\r\nHo")
+    response = await conn.read_response(timeout=3)
+    assert response.status == 408
+    assert await conn.closed_by_peer(1)
+    await conn.close()
+
+
+async def test_endless_header_line_of_a_later_request_is_cut_at_the_limit(
+    relay: RelayUnderTest,
+) -> None:
+    conn = await Connection.open(relay.port)
+    await conn.send(f"GET / HTTP/1.1\r\nHost: 49983-ghost.{DOMAIN}\r\n\r\n".encode())
+    assert (await conn.read_response(timeout=3)).status == 502
+    await conn.send(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: " + b"v" * 4000)
+    await asyncio.sleep(0.05)
+    await conn.send(b"v" * 200)  # over the limit only with the first read counted
+    response = await conn.read_response(timeout=3)
+    assert response.status == 431
+    await conn.close()
+
+
 async def test_silent_connection_is_closed(relay: RelayUnderTest) -> None:
     conn = await Connection.open(relay.port)
     assert await conn.closed_by_peer(3)
