@@ -69,6 +69,7 @@ class Closing:
     _head_raw: int
     _paused: int
     _mid_message: bool
+    _in_head: bool
     _lingering: float
     _client_eof: bool
     tls: bool
@@ -176,7 +177,7 @@ class Closing:
             # A pipelined head trickling in behind a long response: the response may run
             # for hours (a command stream), so only the head's own wait is restarted.
             self.relay.timers.expect_head(self)
-        elif self._head_raw:
+        elif self._head_raw or self._in_head:  # llhttp began a head: bytes were sent
             self.refuse(Reject(reason=Reason.HEADER_TIMEOUT))
         else:
             self.close()  # nothing was sent: just close

@@ -124,7 +124,9 @@ class ClientConnection(Closing, asyncio.Protocol):
             if self._lingering:
                 self._still_sending()
             return
-        if self._in_head or self.active is None:
+        if self._in_head or not self._mid_message:
+            # A head, or a read that may begin one (also while a response runs); never a
+            # body, whether or not an exchange is active (an early answer's body reads on).
             self._head_raw += len(data)
         self._moved = False
         if self._at_start and data[-4:] == b"\r\n\r\n":

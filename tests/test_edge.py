@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from relay.core.model import RequestHead
+from tests.support.fake_app import FakeApp
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.rawhttp import Connection, request
 
@@ -128,6 +129,41 @@ async def test_slow_head_of_a_later_request_is_answered_408(
     assert response.status == 408
     assert await conn.closed_by_peer(1)
     await conn.close()
+
+
+async def test_slow_head_pipelined_in_the_same_read_is_answered_408(
+    relay: RelayUnderTest,
+) -> None:
+    # The previous request ends inside the read that begins the next head (found by review:
+    # that head's bytes were not counted, and its timeout closed silently).
+    conn = await Connection.open(relay.port)
+    whole = f"GET / HTTP/1.1\r\nHost: 49983-ghost.{DOMAIN}\r\n\r\n".encode()
+    await conn.send(whole + b"GET / HTTP/1.1\r\nHo")
+    assert (await conn.read_response(timeout=3)).status == 502
+    assert (await conn.read_response(timeout=3)).status == 408
+    assert await conn.closed_by_peer(1)
+    await conn.close()
+
+
+async def test_slow_head_sent_during_a_streaming_response_is_answered_408(
+    tmp_path: Path,
+) -> None:
+    # The partial head arrives in a read of its own while the previous response still streams:
+    # once that response ends, the head's timeout answers 408 (it was closed silently).
+    overrides = {"listen": {"header_timeout_s": 0.5}}
+    async with (
+        FakeApp() as app,
+        running_relay(tmp_path, [route("sbx", insecure=True)], overrides) as r,
+    ):
+        conn = await Connection.open(r.port)
+        host = f"{app.port}-sbx.{DOMAIN}"
+        await conn.send(f"GET /stream?n=3&interval=0.3 HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await asyncio.sleep(0.1)
+        await conn.send(b"GET / HTTP/1.1\r\nHo")
+        assert (await conn.read_response(timeout=5)).status == 200
+        assert (await conn.read_response(timeout=5)).status == 408
+        assert await conn.closed_by_peer(1)
+        await conn.close()
 
 
 async def test_endless_header_line_of_a_later_request_is_cut_at_the_limit(
