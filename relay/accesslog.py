@@ -124,13 +124,7 @@ class AccessLog:
             "null" if duration_ms is None else f"{duration_ms:.2f}",
             "null" if reason is None else _escape(reason),
         )
-        if self._stream is None:
-            logger.info(line[:-1])
-            return
-        self._buffer.append(line)
-        self._size += len(line)
-        if self._size >= FLUSH_AT:
-            self.flush()
+        self._put(line)
 
     def served(
         self,
@@ -143,7 +137,11 @@ class AccessLog:
         duration_ms: float,
     ) -> None:
         """The usual line: a status, a duration and no reason (one ``%``, no conditionals)."""
-        line = _SERVED % (time, _escape(client), members, status, bytes_in, bytes_out, duration_ms)
+        self._put(
+            _SERVED % (time, _escape(client), members, status, bytes_in, bytes_out, duration_ms)
+        )
+
+    def _put(self, line: str) -> None:
         if self._stream is None:
             logger.info(line[:-1])
             return

@@ -19,9 +19,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from relay.core.model import Forward, Framing, Kind, Reason, Reject, RequestHead
+from relay.core.model import Forward, Kind, Reason, Reject, RequestHead
 from relay.metrics import SPECS, families, read_snapshots, write_snapshot
 from relay.observe import Histogram, Observer
+from tests.core.test_failures import forward as make_forward
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.ops import get, samples, value
 from tests.support.ports import free_port
@@ -53,17 +54,7 @@ class _Done:
 
 def test_requests_are_counted_by_kind_and_status_class() -> None:
     observer = Observer()
-    forward = Forward(
-        kind=Kind.ENVD,
-        target=None,
-        route=None,
-        method=b"GET",
-        path=b"/",
-        headers=(),
-        framing=Framing.NONE,
-        content_length=0,
-        wire=b"",
-    )
+    forward = make_forward(Kind.ENVD)
     statuses = (0, 101, 200, 204, 302, 404, 503, 599, 600, 999, 1000)
     for status in statuses:
         observer.exchange_done(_Done(forward, status))  # type: ignore[arg-type]
