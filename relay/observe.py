@@ -154,12 +154,13 @@ class Observer:
         status = exchange.status
         bytes_in = exchange.bytes_in
         bytes_out = exchange.bytes_out
+        members: str | None
         if isinstance(decision, Forward):
             kind = decision.kind._value_
             members = decision.log_fields  # made once with the (often remembered) decision
         else:
             kind = "refused"
-            members = ""
+            members = None  # made below, only for a line
         counts = self._tally.get(kind)  # _count, spelled out
         if counts is None:
             counts = self._tally[kind] = [0] * len(_CLASS_BY_HUNDRED)
@@ -169,7 +170,7 @@ class Observer:
         access = ACCESS_LOG
         if not access.buffering and not access.enabled:
             return
-        if not members:
+        if members is None:
             head = exchange.head
             members = log_members(
                 decision.sandbox_id if isinstance(decision, Reject) else None,

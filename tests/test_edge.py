@@ -40,6 +40,19 @@ async def send_raw(
         await conn.close()
 
 
+# A request relay answers itself (no route: 502) and keeps the connection; a head cut short.
+GHOST = f"GET / HTTP/1.1\r\nHost: 49983-ghost.{DOMAIN}\r\n\r\n".encode()
+PARTIAL = b"GET / HTTP/1.1\r\nHo"
+
+
+async def answered_408_and_closed(conn: Connection, timeout: float = 3) -> None:
+    """The header timeout's answer to a partial head (SPEC §5a), then relay's close."""
+    response = await conn.read_response(timeout=timeout)
+    assert response.status == 408
+    assert await conn.closed_by_peer(1)
+    await conn.close()
+
+
 @pytest.mark.parametrize(
     ("raw", "status"),
     [
@@ -104,11 +117,8 @@ async def test_endless_header_line_is_cut_at_the_limit(relay: RelayUnderTest) ->
 
 async def test_slow_head_is_closed(relay: RelayUnderTest) -> None:
     conn = await Connection.open(relay.port)
-    await conn.send(b"GET / HTTP/1.1\r\nHo")
-    response = await conn.read_response(timeout=3)
-    assert response.status == 408
-    assert await conn.closed_by_peer(1)
-    await conn.close()
+    await conn.send(PARTIAL)
+    await answered_408_and_closed(conn)
 
 
 @pytest.mark.parametrize("earlier", [1, 3], ids=["parsed", "replayed"])
@@ -120,15 +130,11 @@ async def test_slow_head_of_a_later_request_is_answered_408(
     # silently, the read that began the head being left out of the count). From the second
     # time relay sees a whole head in one read it replays it without llhttp (relay.heads).
     conn = await Connection.open(relay.port)
-    whole = f"GET / HTTP/1.1\r\nHost: 49983-ghost.{DOMAIN}\r\n\r\n".encode()
     for _ in range(earlier):
-        await conn.send(whole)
+        await conn.send(GHOST)
         assert (await conn.read_response(timeout=3)).status == 502  # kept alive
-    await conn.send(b"GET / HTTP/1.1\r\nHo")
-    response = await conn.read_response(timeout=3)
-    assert response.status == 408
-    assert await conn.closed_by_peer(1)
-    await conn.close()
+    await conn.send(PARTIAL)
+    await answered_408_and_closed(conn)
 
 
 async def test_slow_head_pipelined_in_the_same_read_is_answered_408(
@@ -137,12 +143,9 @@ async def test_slow_head_pipelined_in_the_same_read_is_answered_408(
     # The previous request ends inside the read that begins the next head (found by review:
     # that head's bytes were not counted, and its timeout closed silently).
     conn = await Connection.open(relay.port)
-    whole = f"GET / HTTP/1.1\r\nHost: 49983-ghost.{DOMAIN}\r\n\r\n".encode()
-    await conn.send(whole + b"GET / HTTP/1.1\r\nHo")
+    await conn.send(GHOST + PARTIAL)
     assert (await conn.read_response(timeout=3)).status == 502
-    assert (await conn.read_response(timeout=3)).status == 408
-    assert await conn.closed_by_peer(1)
-    await conn.close()
+    await answered_408_and_closed(conn)
 
 
 async def test_slow_head_sent_during_a_streaming_response_is_answered_408(
@@ -159,18 +162,16 @@ async def test_slow_head_sent_during_a_streaming_response_is_answered_408(
         host = f"{app.port}-sbx.{DOMAIN}"
         await conn.send(f"GET /stream?n=3&interval=0.3 HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
         await asyncio.sleep(0.1)
-        await conn.send(b"GET / HTTP/1.1\r\nHo")
+        await conn.send(PARTIAL)
         assert (await conn.read_response(timeout=5)).status == 200
-        assert (await conn.read_response(timeout=5)).status == 408
-        assert await conn.closed_by_peer(1)
-        await conn.close()
+        await answered_408_and_closed(conn, timeout=5)
 
 
 async def test_endless_header_line_of_a_later_request_is_cut_at_the_limit(
     relay: RelayUnderTest,
 ) -> None:
     conn = await Connection.open(relay.port)
-    await conn.send(f"GET / HTTP/1.1\r\nHost: 49983-ghost.{DOMAIN}\r\n\r\n".encode())
+    await conn.send(GHOST)
     assert (await conn.read_response(timeout=3)).status == 502
     await conn.send(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: " + b"v" * 4000)
     await asyncio.sleep(0.05)
