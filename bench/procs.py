@@ -18,6 +18,20 @@ from typing import IO, Any
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
+# glibc's allocator settings that relay gives itself (relay.startup.tune_allocator), for the
+# bench's own Python processes too: the origin, the load clients and the floor forwarder. With
+# glibc's defaults a process that moves 64 MiB in 256 KiB-1 MiB pieces trims and regrows its
+# heap for every piece, and whether it does depends on its history (the dynamic mmap
+# threshold): the direct column's upload swung 570-1,800 MiB/s between rounds of one run, and
+# every column with it, which measured the tools rather than the proxies (bench/README.md,
+# "A ninth host"). nginx and wrk are C programs with their own buffers: left as they are.
+TOOL_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
+
+
+def tool_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one of the bench's own Python processes (TOOL_ALLOCATOR)."""
+    return {**(os.environ if base is None else base), **TOOL_ALLOCATOR}
+
 
 def cpus_text(cpus: Iterable[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))

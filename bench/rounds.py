@@ -12,8 +12,10 @@ round and each column's median p50 / p99. ``--compare DIR`` adds a relay-1w of a
 tree (a folder holding a ``relay/`` package), as ``bench.profile --compare`` does.
 
 Workloads: ``paced`` (small GET, 50 connections each pausing a random 1-19 ms, as the bench's
-paced row), ``closed`` (small GET c50, wrk's closed loop) and ``stream`` (the Connect stream,
-3 streams of 1,000 events per round; added latency = the column's minus direct's median).
+paced row), ``closed`` (small GET c50, wrk's closed loop), ``stream`` (the Connect stream,
+3 streams of 1,000 events per round; added latency = the column's minus direct's median), and
+``upload`` / ``download`` (64 MiB transfers, 5 timed per round after an untimed warm-up, as
+the bench; MiB/s and its ratio to direct's median).
 """
 
 from __future__ import annotations
@@ -38,9 +40,31 @@ KNOWN = {
 }
 
 
-def measure(workload: str, column: Column, proxy: Proc | None, seconds: int) -> dict[str, Any]:
-    """One round: p50 and p99 in µs (event latency for the stream), plus what the bench meter
-    adds (CPU per request, foreign CPU)."""
+TRANSFERS = ("upload", "download")
+
+
+def measure(
+    workload: str, column: Column, proxy: Proc | None, seconds: int, stack: Stack
+) -> dict[str, Any]:
+    """One round: p50 and p99 in µs (event latency for the stream), or MiB/s of a transfer,
+    plus what the bench meter adds (CPU per request, foreign CPU)."""
+    if workload in TRANSFERS:
+        reps = workloads.Durations().transfer_reps
+        args = ["--reps", str(reps)]
+        if workload == "download":  # from the nginx origin's file, checked as the bench does
+            args += ["--size", str(stack.blob_size), "--crc", str(stack.blob_crc)]
+        service = "py" if workload == "upload" else "app"
+        data = workloads.client(column, proxy, workload, service, *args)
+        if "error" in data:
+            raise RuntimeError(f"{column.name}: {data['error']}")
+        cpu = data.get("proxy_cpu_s")
+        return {
+            "mib_s": data.get("mib_s"),
+            # The proxy's CPU per 64 MiB transfer (the client's untimed first one included):
+            # steadier than MiB/s, which follows whatever else the two cores run.
+            "cpu_ms": None if cpu is None else cpu * 1000 / (reps + 1),
+            "foreign": data.get("foreign_cpu_pct"),
+        }
     if workload == "stream":
         data = workloads.client(column, proxy, "stream", "py", "--reps", "1")
         latency = data.get("latency_us", {})
@@ -58,13 +82,28 @@ def measure(workload: str, column: Column, proxy: Proc | None, seconds: int) -> 
     }
 
 
+def transfer_summary(results: dict[str, list[dict[str, Any]]]) -> None:
+    direct = results.get("direct")
+    base = statistics.median(r["mib_s"] for r in direct) if direct else None
+    for name, rounds in results.items():
+        rates = [r["mib_s"] for r in rounds]
+        median = statistics.median(rates)
+        ratio = f"  {median / base:.2f}x direct" if base else ""
+        cpus = [r["cpu_ms"] for r in rounds if r["cpu_ms"] is not None]
+        cpu = f"  proxy CPU {statistics.median(cpus):.1f} ms/transfer" if cpus else ""
+        print(
+            f"  {name:<16} {median:,.0f} MiB/s (rounds {min(rates):,.0f}-{max(rates):,.0f})"
+            f"{ratio}{cpu}"
+        )
+
+
 def label(column: Column) -> str:
     return f"{column.name}@compare" if column.src else column.name
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workload", choices=("paced", "closed", "stream"))
+    parser.add_argument("workload", choices=("paced", "closed", "stream", *TRANSFERS))
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=int, default=3, help="per round (small GET)")
     parser.add_argument("--columns", default="direct,nginx-1w,relay-1w")
@@ -76,8 +115,8 @@ def main(argv: list[str]) -> int:
         columns = [KNOWN[name] for name in args.columns.split(",")]
     except KeyError as exc:
         parser.error(f"unknown column {exc}; known: {', '.join(KNOWN)}")
-    if args.workload != "stream" and KNOWN["floor-1w"] in columns:
-        parser.error("floor-1w forwards to the Python origin only: use it with stream")
+    if args.workload not in ("stream", "upload") and KNOWN["floor-1w"] in columns:
+        parser.error("floor-1w forwards to the Python origin only: use it with stream or upload")
     if args.compare:
         columns.append(Column("relay-1w", "relay", src=str(Path(args.compare).resolve())))
     run_dir = Path(tempfile.mkdtemp(prefix="relay-rounds-"))
@@ -91,8 +130,16 @@ def main(argv: list[str]) -> int:
         for number in range(args.rounds):
             for column in columns:
                 name = label(column)
-                got = measure(args.workload, column, proxies.get(name), args.seconds)
+                got = measure(args.workload, column, proxies.get(name), args.seconds, stack)
                 results[name].append(got)
+                if args.workload in TRANSFERS:
+                    cpu = f"  proxy CPU {got['cpu_ms']:.1f} ms/transfer" if got["cpu_ms"] else ""
+                    print(
+                        f"round {number}  {name:<16} {got['mib_s']:>7,.0f} MiB/s{cpu}"
+                        f"  foreign CPU {got['foreign']}%",
+                        flush=True,
+                    )
+                    continue
                 req_s = f"{got['req_s']:>9,.0f} req/s" if got["req_s"] else ""
                 print(
                     f"round {number}  {name:<16} p50 {got['p50']:>6,.0f} µs"
@@ -102,6 +149,9 @@ def main(argv: list[str]) -> int:
     finally:
         stack.stop_all()
     print(f"\nmedians of {args.rounds} interleaved rounds ({args.workload}):")
+    if args.workload in TRANSFERS:
+        transfer_summary(results)
+        return 0
     base = results.get("direct")
     for name, rounds in results.items():
         p50 = statistics.median(r["p50"] for r in rounds)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.origin import blob_pattern
-from bench.procs import Proc, http_get, spawn, wait_port
+from bench.procs import Proc, http_get, spawn, tool_env, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -176,6 +176,7 @@ class Stack:
             ORIGIN_CPUS,
             stdout=self.run_dir / "origin-py.log",
             stderr=self.run_dir / "origin-py.log",
+            env=tool_env(),
             cwd=ROOT,
         )
         self.procs.append(proc)
@@ -203,7 +204,9 @@ class Stack:
             f"127.0.0.1:{ORIGIN_PY_PORT}",
         ]
         err = self.run_dir / f"{column.label}.err"
-        proc = spawn(column.label, argv, PROXY_CPUS[column.workers], stderr=err, cwd=ROOT)
+        proc = spawn(
+            column.label, argv, PROXY_CPUS[column.workers], stderr=err, env=tool_env(), cwd=ROOT
+        )
         self.procs.append(proc)
         wait_port("127.0.0.1", column.port, proc=proc)
         return proc

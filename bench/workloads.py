@@ -18,7 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import CLK_TCK, Proc, core_busy, core_times, cpu_seconds, cpus_text, rss_kib
+from bench.procs import (
+    CLK_TCK,
+    Proc,
+    core_busy,
+    core_times,
+    cpu_seconds,
+    cpus_text,
+    rss_kib,
+    tool_env,
+)
 from bench.stack import BENCH, HOST_APP, HOST_ENVD, HOST_PY, LOAD_CPUS, ROOT, Column
 
 WRK = shutil.which("wrk")
@@ -177,7 +186,9 @@ def client(
         ]
     )
     meter = Meter(proxy)
-    run = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    run = subprocess.run(
+        argv, capture_output=True, text=True, env=tool_env(), cwd=ROOT, timeout=120, check=False
+    )
     lines = run.stdout.strip().splitlines()
     if run.returncode != 0 or not lines:
         return {"error": f"client exit {run.returncode}: {run.stderr.strip()[-300:]}"}
@@ -214,7 +225,7 @@ def hold(
     )
     err = (run_dir / f"{column.name}.{command}.err").open("wb")
     holder = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=ROOT
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=tool_env(), cwd=ROOT
     )
     assert holder.stdout is not None
     assert holder.stdin is not None
