@@ -11,8 +11,9 @@ all parse errors, answered 400 and the connection closed.
 Flow per connection: ``data_received`` → llhttp → ``on_headers_complete`` makes a
 :class:`~relay.forward.Exchange` and, when no earlier exchange is still running, starts it.
 Pipelined requests (RFC 9112 §9.3.2) wait in a queue, reading is paused meanwhile, and they
-are answered in order. How a connection ends (refusals, the lingering close, aborts) is the
-other half of the class, :class:`relay.closing.Closing`.
+are answered in order. The class has two bases that hold the rest of it: how a connection
+ends (refusals, the lingering close, aborts), :class:`relay.closing.Closing`, and a request
+body passed on without llhttp once its length is known, :class:`relay.bodies.RequestBodies`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from relay.closing import Closing
+from relay.bodies import RequestBodies
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_QUEUE, PAUSE_UPGRADE
 from relay.forward import Exchange
@@ -38,18 +39,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.server")
 
 
-class ClientConnection(Closing, asyncio.Protocol):
+class ClientConnection(RequestBodies, asyncio.Protocol):
     __slots__ = (
         "_at_start",
         "_head_bytes",
-        "_headers",
         "_in_head",
         "_keep",
         "_key",
         "_last",
-        "_moved",
         "_seen",
-        "_stalled",
         "_starting",
         "_url",
         "overloaded",
@@ -78,6 +76,8 @@ class ClientConnection(Closing, asyncio.Protocol):
         # _mid_message, a refusal's close() does not set it. Replays need it (relay.heads).
         self._at_start = True
         self._keep = True  # the current request lets the connection carry another
+        self._body_left = 0  # the rest of a Content-Length body, passed without llhttp
+        self._body_seen = 0  # body bytes of the current request so far (relay.bodies)
         # The last replayed read, what it is and its RequestHead (immutable): a kept-alive
         # client repeats its request, which is then compared, not hashed, and not built again.
         self._last: tuple[bytes, KnownRequest, RequestHead] | None = None
@@ -124,6 +124,9 @@ class ClientConnection(Closing, asyncio.Protocol):
             if self._lingering:
                 self._still_sending()
             return
+        if self._body_left:
+            self._pass_body(data)
+            return
         if self._in_head or not self._mid_message:
             # A head, or a read that may begin one (also while a response runs); never a
             # body, whether or not an exchange is active (an early answer's body reads on).
@@ -166,6 +169,10 @@ class ClientConnection(Closing, asyncio.Protocol):
                 self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))
         elif self._moved:
             self._stalled = 0
+            if self._mid_message and self._keep:
+                # Inside a body: a Content-Length one goes on without llhttp (relay.bodies;
+                # not after a request that closes, whose end llhttp must see).
+                self._body_left = self._content_left()
         else:
             # Bytes that are neither a head nor body: a trailer section, chunk extensions,
             # empty lines. llhttp has no limit on them and httptools keeps a field's value in
@@ -224,6 +231,7 @@ class ClientConnection(Closing, asyncio.Protocol):
             self.relay.timers.expect_head(self)  # SPEC §5a: from the first byte of a request
 
     def _begin(self) -> None:
+        self._body_seen = 0
         self._url = b""
         self._headers = []
         self._head_bytes = 0
@@ -302,11 +310,6 @@ class ClientConnection(Closing, asyncio.Protocol):
         # (on an idle core every line before it is latency; bench/README.md, "cold requests").
         if not read:  # a replayed head started no deadline (_replay)
             self.relay.timers.head_done(self)
-
-    def on_body(self, body: bytes) -> None:
-        self._moved = True
-        if self.receiving is not None and not self.closing:
-            self.receiving.request_body(body)
 
     def on_message_complete(self) -> None:
         # The next head's bytes count from here (the limit and the 408 of a partial head,
