@@ -22,7 +22,9 @@ relay's venv first.
 ``--cold-ms MS`` measures latency instead of CPU: before each small GET the child sleeps MS
 milliseconds, as a lightly loaded relay does between requests, and records how long after the
 start of the client's read callback the request head reaches the upstream transport, and how
-long after the upstream's read callback the response reaches the client transport (medians per
+long after the upstream's read callback the response reaches the client transport, and, after
+another MS idle, how long one event of a running Connect stream (a chunk holding one envelope,
+as envd sends it) takes from the upstream's read callback to the client transport (medians per
 round). On this VM an idle core makes every line of Python ~15-20x slower (caches and the core
 itself go cold): a head written 4.6 µs after the read when hot is written ~100 µs after it
 10 ms after the previous request, so at light load the order of relay's work, not its
@@ -77,6 +79,17 @@ TOKEN_REQUEST = (
     b"X-Access-Token: " + ENVD_TOKEN.encode() + b"\r\n\r\n"
 )
 SIGNED_REQUEST = _signed_files_request()
+STREAM_PORT = 18082
+STREAM_BODY = b'{"cmd":"ls"}'
+STREAM_REQUEST = (
+    b"POST /stream HTTP/1.1\r\nHost: %d-bench.sandbox.localhost\r\n"
+    b"Content-Type: application/connect+json\r\nContent-Length: %d\r\n\r\n%s"
+    % (STREAM_PORT, len(STREAM_BODY), STREAM_BODY)
+)
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
 RESPONSE = (
     b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Mon, 30 Nov 2026 01:00:00 GMT\r\n"
     b"Content-Type: text/plain\r\nContent-Length: 13\r\nConnection: keep-alive\r\n\r\n"
@@ -167,6 +180,7 @@ def build(access_log: bool) -> Any:
     for sandbox, address, port in (
         ("bench", "127.0.0.1", 18081),
         ("benchenvd", "127.0.0.2", 49983),
+        ("bench", "127.0.0.1", STREAM_PORT),  # --cold-ms: a Connect stream's upstream
     ):
         key = PoolKey(sandbox, 0, address, port)
         conn = UpstreamConnection(relay.pool, key)
@@ -209,19 +223,38 @@ def drive(relay: Any, upstreams: Any, request: bytes, port: int, n: int) -> floa
     return elapsed / n
 
 
+def stream_event(i: int) -> bytes:
+    """One event of a Connect server stream as envd (and bench.origin) sends it: a chunk
+    holding one envelope (flags, 4-byte length, JSON)."""
+    payload = b'{"i":%d,"t":%d}' % (i, 1_700_000_000_000_000_000 + i)
+    envelope = b"\x00" + len(payload).to_bytes(4, "big") + payload
+    return b"%x\r\n%s\r\n" % (len(envelope), envelope)
+
+
 def drive_cold(relay: Any, upstreams: Any, n: int, pause_s: float) -> list[float]:
-    """``n`` small GETs, each after ``pause_s`` idle; median µs from the start of each read
-    callback to the write it causes: [request head upstream, response to the client]."""
+    """``n`` small GETs, each after ``pause_s`` idle, and after another ``pause_s`` one event
+    of a running Connect stream; median µs from the start of each read callback to the write
+    it causes: [request head upstream, response to the client, stream event to the client]."""
     from relay.server import ClientConnection
 
     client = ClientConnection(relay, tls=False)
     client_transport = FakeSocketTransport(("127.0.0.1", 40001))
     client.connection_made(client_transport)  # type: ignore[arg-type]
     conn, upstream_transport = upstreams[18081]
+    streaming = ClientConnection(relay, tls=False)
+    streaming_transport = FakeSocketTransport(("127.0.0.1", 40002))
+    streaming.connection_made(streaming_transport)  # type: ignore[arg-type]
+    stream_conn, stream_upstream = upstreams[STREAM_PORT]
     turn_end = _turn_end(relay)
+    streaming.data_received(STREAM_REQUEST)
+    stream_conn.data_received(STREAM_HEAD)
+    turn_end()
+    if not stream_upstream.written or not streaming_transport.written:
+        raise RuntimeError("relay did not start the stream")
     to_upstream: list[float] = []
     to_client: list[float] = []
-    for _ in range(n):
+    events: list[float] = []
+    for i in range(n):
         time.sleep(pause_s)
         start = time.perf_counter_ns()
         client.data_received(REQUEST)
@@ -235,8 +268,20 @@ def drive_cold(relay: Any, upstreams: Any, n: int, pause_s: float) -> list[float
         to_client.append((client_transport.written_at - middle) / 1000)
         upstream_transport.written.clear()
         client_transport.written.clear()
+        streaming_transport.written.clear()
+        event = stream_event(i)
+        time.sleep(pause_s)
+        start = time.perf_counter_ns()
+        stream_conn.data_received(event)
+        turn_end()
+        if not streaming_transport.written:
+            raise RuntimeError("relay did not forward the stream event")
+        events.append((streaming_transport.written_at - start) / 1000)
+    stream_conn.data_received(b"0\r\n\r\n")  # the stream ends; its connection is pooled
+    turn_end()
     client.connection_lost(None)
-    return [statistics.median(to_upstream), statistics.median(to_client)]
+    streaming.connection_lost(None)
+    return [statistics.median(to_upstream), statistics.median(to_client), statistics.median(events)]
 
 
 WORKLOADS = (
@@ -244,7 +289,7 @@ WORKLOADS = (
     ("envd X-Access-Token", TOKEN_REQUEST, 49983),
     ("signed /files URL", SIGNED_REQUEST, 49983),
 )
-COLD_VALUES = ("request head upstream", "response to the client")
+COLD_VALUES = ("request head upstream", "response to the client", "stream event to the client")
 
 
 def serve_rounds(args: argparse.Namespace) -> None:
@@ -409,9 +454,12 @@ def pyinstrument_profile(args: argparse.Namespace) -> int:
 
 
 def report_cold(args: argparse.Namespace, runs: dict[str, list[list[float]]]) -> None:
-    best = {label: [min(r[i] for r in items) for i in range(2)] for label, items in runs.items()}
+    count = len(COLD_VALUES)
+    best = {
+        label: [min(r[i] for r in items) for i in range(count)] for label, items in runs.items()
+    }
     for label, items in runs.items():
-        medians = [statistics.median(r[i] for r in items) for i in range(2)]
+        medians = [statistics.median(r[i] for r in items) for i in range(count)]
         print(
             f"{label:<10} "
             + ", ".join(
