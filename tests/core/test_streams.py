@@ -129,3 +129,16 @@ def test_close_frames() -> None:
     masked = close_frame(1001, mask=b"\x01\x02\x03\x04")
     assert masked[:2] == b"\x88\x82"
     assert bytes(b ^ k for b, k in zip(masked[6:], b"\x01\x02", strict=True)) == b"\x03\xe9"
+
+
+def test_every_byte_of_an_envelope_length_counts() -> None:
+    """A length of 0x01020304 (each of its four bytes non-zero) passes through unheld and is
+    followed to its exact end: the next envelope is held from its first byte."""
+    tracker = EnvelopeTracker(hold_limit=16)
+    length = 0x01020304
+    assert tracker.feed(b"\x00\x01\x02\x03\x04" + b"x" * 10) == b"\x00\x01\x02\x03\x04" + b"x" * 10
+    rest = b"y" * (length - 10)
+    assert tracker.feed(rest) == rest
+    assert tracker.at_boundary
+    assert tracker.feed(envelope(b"z")[:3]) == b""
+    assert tracker.holding == 3
