@@ -28,11 +28,12 @@ from relay.closing import Closing
 class RequestBodies(Closing):
     """The request-body half of a client connection (see the module docstring)."""
 
-    __slots__ = ("_body_left", "_body_seen", "_headers", "_moved", "_stalled")
+    __slots__ = ("_body_left", "_body_seen", "_headers", "_moved", "_stalled", "_unlengthed")
 
     _headers: list[tuple[bytes, bytes]]
     _body_left: int  # the rest of a Content-Length body, passed without llhttp
     _body_seen: int  # body bytes of the current request so far
+    _unlengthed: bool  # the current request's fields were searched: no Content-Length
     _moved: bool
     _stalled: int
 
@@ -54,9 +55,14 @@ class RequestBodies(Closing):
         (a chunked body, trailers: llhttp frames those). llhttp admitted the head, so a
         Content-Length is one value of digits and comes without Transfer-Encoding (RFC 9112
         §6.3)."""
+        if self._unlengthed:
+            return 0  # searched already: a chunked body's every read would walk the fields
         for name, value in self._headers:
             if len(name) == 14 and name.lower() == b"content-length":
-                return max(0, int(value) - self._body_seen)
+                # llhttp bounds the value to 64 bits but not its leading zeros, and int()
+                # refuses more than sys.get_int_max_str_digits() digits (found by review).
+                return max(0, int(value.strip().lstrip(b"0") or b"0") - self._body_seen)
+        self._unlengthed = True
         return 0
 
     def _pass_body(self, data: bytes) -> None:

@@ -78,6 +78,7 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         self._keep = True  # the current request lets the connection carry another
         self._body_left = 0  # the rest of a Content-Length body, passed without llhttp
         self._body_seen = 0  # body bytes of the current request so far (relay.bodies)
+        self._unlengthed = False  # its fields hold no Content-Length (relay.bodies)
         # The last replayed read, what it is and its RequestHead (immutable): a kept-alive
         # client repeats its request, which is then compared, not hashed, and not built again.
         self._last: tuple[bytes, KnownRequest, RequestHead] | None = None
@@ -232,6 +233,7 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
 
     def _begin(self) -> None:
         self._body_seen = 0
+        self._unlengthed = False
         self._url = b""
         self._headers = []
         self._head_bytes = 0
