@@ -28,9 +28,9 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 TOOL_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 
 
-def tool_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def tool_env() -> dict[str, str]:
     """The environment of one of the bench's own Python processes (TOOL_ALLOCATOR)."""
-    return {**(os.environ if base is None else base), **TOOL_ALLOCATOR}
+    return {**os.environ, **TOOL_ALLOCATOR}
 
 
 def cpus_text(cpus: Iterable[int]) -> str:

@@ -43,7 +43,8 @@ DISCARD_LIMIT = 1 << 20
 # The chunk-size lines of small chunks, made once: a stream's events arrive one at a time on a
 # core that was idle, where formatting one with ``b"%x\r\n" % n`` cost ~6 µs and a lookup ~3
 # (bench.micro --cold-ms; bench/README.md, "A ninth host"). ~47 KiB per process.
-CHUNK_HEADS = tuple(b"%x\r\n" % n for n in range(1024))
+SMALL_CHUNK = 1024
+CHUNK_HEADS = tuple(b"%x\r\n" % n for n in range(SMALL_CHUNK))
 
 
 class State(enum.Enum):
@@ -273,7 +274,7 @@ class Respond:
         self.bytes_out += len(body)
         if self._client_framing is CHUNKED:
             n = len(body)
-            self._out += (CHUNK_HEADS[n] if n < 1024 else b"%x\r\n" % n, body, CRLF)
+            self._out += (CHUNK_HEADS[n] if n < SMALL_CHUNK else b"%x\r\n" % n, body, CRLF)
         else:
             self._out.append(body)
 
