@@ -49,14 +49,17 @@ class Settings:
     management: bool = False  # a management upstream is configured
     trusted_proxies: tuple[Network, ...] = ()
 
-    # What every forwarded request loses: hop-by-hop fields, and credentials in strip mode.
+    # What every forwarded request loses: hop-by-hop fields, the httpoxy ``Proxy`` field, and
+    # credentials in strip mode.
     drop: frozenset[bytes] = frozenset()
 
     def __post_init__(self) -> None:
         # Longest domain first, so that the most specific configured domain wins.
         ordered = tuple(sorted({d.lower().rstrip(".") for d in self.domains}, key=len))
         object.__setattr__(self, "domains", ordered[::-1])
-        drop = headers.HOP_BY_HOP | (headers.CREDENTIALS if self.strip else frozenset())
+        drop = headers.HOP_BY_HOP | {headers.HTTPOXY}
+        if self.strip:
+            drop |= headers.CREDENTIALS
         object.__setattr__(self, "drop", drop)
 
 

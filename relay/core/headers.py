@@ -28,6 +28,13 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
+# httpoxy (CVE-2016-5385): CGI and what is modelled on it (RFC 3875 §4.1.18: WSGI, PHP,
+# Rack) turn a ``Proxy`` request field into the variable ``HTTP_PROXY``, which HTTP clients
+# (Go's net/http, curl, Python's requests) read as their outbound proxy: a caller could route
+# a sandbox app's own outgoing requests through a host of its choosing. No standard request
+# field is named Proxy; nginx's and Apache's advisories drop it at the proxy, and so does
+# relay, from every request.
+HTTPOXY = b"proxy"
 ACCESS_TOKEN = b"x-access-token"
 TRAFFIC_TOKEN = b"e2b-traffic-access-token"
 CREDENTIALS = frozenset({ACCESS_TOKEN, TRAFFIC_TOKEN})

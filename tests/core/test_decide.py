@@ -218,6 +218,25 @@ def test_hop_by_hop_and_connection_named_fields_are_dropped() -> None:
     assert result.headers[-1] == (b"Content-Length", b"3")
 
 
+def test_the_httpoxy_proxy_field_never_reaches_an_upstream() -> None:
+    """CVE-2016-5385: a CGI-style app reads ``Proxy`` as HTTP_PROXY, its outbound proxy."""
+    for mode in (SETTINGS, Settings(domains=("e2b.test",), strip=False)):
+        for host in (ENVD_HOST, (b"Host", b"8080-sbx1.e2b.test")):
+            fields = (
+                host,
+                (b"X-Access-Token", b"envd-tok"),
+                (b"E2b-Traffic-Access-Token", b"traffic-tok"),
+                (b"PROXY", b"http://192.0.2.66:3128"),
+                (b"proxy", b"http://192.0.2.66:3128"),
+                (b"Proxy-Status", b"kept"),  # RFC 9209, a real field: only "Proxy" goes
+            )
+            result = decide(head(headers=fields), TABLE, mode)
+            assert isinstance(result, Forward)
+            names = [n.lower() for n, _ in result.headers]
+            assert b"proxy" not in names
+            assert b"proxy-status" in names
+
+
 def test_trusted_proxy_sets_x_forwarded() -> None:
     import ipaddress
 

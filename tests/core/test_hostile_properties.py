@@ -179,6 +179,8 @@ field_names = st.one_of(
             b"TE",
             b"Trailer",
             b"Proxy-Authorization",
+            b"Proxy",
+            b"pRoXy",
             b"Authorization",
             b"X-Other",
         ]
@@ -344,6 +346,7 @@ def test_decide_is_total_and_safe(head: RequestHead) -> None:
             assert not (set(names) & (headers.HOP_BY_HOP - own))
             assert names.count(b"content-length") + names.count(b"transfer-encoding") <= 1
             assert not any(map(cgi_forwarding, names))  # no trusted proxies configured
+            assert b"HTTP_PROXY" not in map(cgi_var, names)  # httpoxy (CVE-2016-5385)
             if result.target is not None and result.target.port != mode.envd_port:
                 # relay's own, in either mode
                 assert b"HTTP_E2B_TRAFFIC_ACCESS_TOKEN" not in map(cgi_var, names)
