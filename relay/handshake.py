@@ -134,12 +134,17 @@ class TlsAccept(asyncio.Protocol):
         transport.set_protocol(conn)
         conn.connection_made(transport)
         early, self._early = self._early, []
-        for data in early:
-            conn.data_received(data)
-        if self._eof and not conn.eof_received():
-            transport.close()
-        if self._lost is not None:
-            conn.connection_lost(self._lost[0])
+        try:
+            for data in early:
+                conn.data_received(data)
+        finally:
+            # Even if relay's own code raised on the early bytes (a bug: it reaches the loop's
+            # exception handler), the connection learns of its EOF and its loss, or it would
+            # hold its slot in Relay.connections for ever.
+            if self._eof and not conn.eof_received():
+                transport.close()
+            if self._lost is not None:
+                conn.connection_lost(self._lost[0])
 
     # -- the TLS transport's protocol until the handover: what came before it
     def data_received(self, data: bytes) -> None:

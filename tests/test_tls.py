@@ -206,6 +206,46 @@ async def test_a_connection_accepted_as_relay_stops_is_turned_away(tmp_path: Pat
         await peer.wait_closed()
 
 
+async def test_a_bug_on_early_bytes_still_hands_over_the_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes, EOF and loss that came before the hand-over are delivered after it; if relay's
+    own code raises on the bytes, the loss is delivered all the same (found by review: the
+    connection's slot was otherwise held for ever)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        inner = relay.relay
+        accepted: list[asyncio.StreamWriter] = []
+
+        async def keep(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(writer)
+
+        peer = await asyncio.start_server(keep, "127.0.0.1", 0)
+        port = peer.sockets[0].getsockname()[1]
+        try:
+            loop = asyncio.get_running_loop()
+            transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
+            accept = TlsAccept(inner)
+            accept.data_received(b"GET / HTTP/1.1\r\n")
+            accept.connection_lost(ConnectionResetError())
+
+            def bug(_self: ClientConnection, _data: bytes) -> None:
+                raise RuntimeError("a bug in relay")
+
+            monkeypatch.setattr(ClientConnection, "data_received", bug)
+            with pytest.raises(RuntimeError, match="a bug in relay"):
+                accept._hand_over(transport)
+            assert accept.conn is not None
+            assert accept.conn not in inner.connections
+            assert not inner.connections
+            transport.abort()
+        finally:
+            for writer in accepted:
+                writer.close()
+            peer.close()
+            await peer.wait_closed()
+
+
 # -- every way a TLS client can go away leaves nothing behind ------------------------------------
 def _reset(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
