@@ -4,7 +4,8 @@
 connection or answer what cannot be served: relay's own refusal of a request it could not
 parse or admit, the orderly close after the last answer (with a lingering close when the
 client may still be sending, RFC 9112 §9.6), the abort, the header timeout, the client's
-half-close, and what a parse error or a bug in a callback leads to. ``relay.server`` keeps
+half-close, a reset noticed while relay was not reading (check_peer), and what a parse error
+or a bug in a callback leads to. ``relay.server`` keeps
 the rest: reading requests with llhttp, starting exchanges in order, flow control and writes.
 
 Why a base class and not an object of its own: both halves read and write the same fields of
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -164,6 +166,28 @@ class Closing:
         """Lingering: the client is still sending. Wait on, within LINGER_TOTAL_S."""
         if time.monotonic() - self._lingering < LINGER_TOTAL_S:
             self.relay.timers.close_deadline(self)  # restarts the wait (CLOSE_GRACE_S)
+
+    def check_peer(self) -> None:
+        """relay has not read this client for ``PEER_CHECK_S`` (relay.timers): did it reset?
+
+        A paused transport's socket is not watched by the event loop, so a client that gave
+        up (a reset, or both directions shut) while its upstream stalled would hold both
+        connections for as long as the upstream does. The kernel knows: a zero-timeout
+        ``poll`` reports POLLERR or POLLHUP, which are always reported whatever the events
+        asked. A FIN alone (POLLRDHUP) is not a departure: a client may half-close once its
+        request is sent and still read the answer (eof_received).
+        """
+        transport = self.transport
+        if not self._paused or self.closing or transport is None or transport.is_closing():
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            poller = select.poll()
+            poller.register(sock.fileno(), 0)
+            if poller.poll(0):
+                self.abort()  # connection_lost follows: the exchange and its upstream end
+                return
+        self.relay.timers.paused(self)
 
     def abort(self) -> None:
         self.relay.outbox.flush()

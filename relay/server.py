@@ -329,10 +329,12 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
     def pause(self, reason: int) -> None:
         if not self._paused and self.transport is not None:
             self.transport.pause_reading()
+            self.relay.timers.paused(self)  # see check_peer
         self._paused |= reason
 
     def resume_all(self) -> None:
         self._paused = 0
+        self.relay.timers.resumed(self)
         if self.transport is not None and not self.closing:
             self.transport.resume_reading()
 
@@ -340,8 +342,10 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         if not self._paused & reason:
             return
         self._paused &= ~reason
-        if not self._paused and self.transport is not None and not self.closing:
-            self.transport.resume_reading()
+        if not self._paused:
+            self.relay.timers.resumed(self)
+            if self.transport is not None and not self.closing:
+                self.transport.resume_reading()
 
     # -- called by exchanges --------------------------------------------------------------
     def write(self, data: bytes) -> None:

@@ -3,7 +3,8 @@
 ``listen.header_timeout_s`` bounds the wait for a request head (slowloris), from the first
 byte of each request; ``listen.idle_timeout_s`` closes a kept-alive connection with no
 request in flight; a connection relay is closing but whose peer does not read is aborted
-after a grace period.
+after a grace period; a client relay has stopped reading is asked every
+:data:`PEER_CHECK_S` whether it is still there (``ClientConnection.check_peer``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 CLOSE_GRACE_S = 5.0
+# While relay does not read a client (its upstream takes no more of the body, or a pipelined
+# request waits), the event loop does not watch that socket, so a reset goes unnoticed for as
+# long as the pause lasts: with no read or write timeout on an exchange (SPEC §4), hours.
+PEER_CHECK_S = 2.0
 
 
 class Waiting(Protocol):
@@ -23,6 +28,8 @@ class Waiting(Protocol):
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
+
+    def check_peer(self) -> None: ...
 
 
 class Timers:
@@ -55,6 +62,7 @@ class Timers:
         self._head: dict[Waiting, float] = {}
         self._idle: dict[Waiting, float] = {}
         self._closing: dict[Waiting, float] = {}
+        self._paused: dict[Waiting, float] = {}
 
     def expect_head(self, conn: Waiting) -> None:
         self._idle.pop(conn, None)
@@ -80,10 +88,19 @@ class Timers:
         self._closing.pop(conn, None)  # restarted (a lingering close): to the end of the order
         self._closing[conn] = self._clock()
 
+    def paused(self, conn: Waiting) -> None:
+        """relay stopped reading ``conn``: its peer is checked in PEER_CHECK_S."""
+        self._paused.pop(conn, None)
+        self._paused[conn] = self._clock()
+
+    def resumed(self, conn: Waiting) -> None:
+        self._paused.pop(conn, None)
+
     def forget(self, conn: Waiting) -> None:
         self._head.pop(conn, None)
         self._idle.pop(conn, None)
         self._closing.pop(conn, None)
+        self._paused.pop(conn, None)
 
     def sweep(self) -> None:
         now = self._clock()
@@ -93,6 +110,8 @@ class Timers:
             conn.close()
         for conn in _expired(self._closing, now - CLOSE_GRACE_S):
             conn.abort()
+        for conn in _expired(self._paused, now - PEER_CHECK_S):
+            conn.check_peer()  # which calls paused() again while the pause lasts
 
 
 def _expired(started: dict[Waiting, float], cutoff: float) -> list[Waiting]:

@@ -3,7 +3,7 @@ and timeouts changed in place by a SIGHUP (relay/reload.py, SPEC §7)."""
 
 from __future__ import annotations
 
-from relay.timers import CLOSE_GRACE_S, Timers
+from relay.timers import CLOSE_GRACE_S, PEER_CHECK_S, Timers
 
 
 class Clock:
@@ -26,6 +26,9 @@ class Conn:
 
     def abort(self) -> None:
         self.events.append("aborted")
+
+    def check_peer(self) -> None:
+        self.events.append("peer checked")
 
 
 def _timers() -> tuple[Timers, Clock]:
@@ -132,3 +135,24 @@ def test_closing_grace_does_not_follow_the_configured_timeouts() -> None:
     clock.now += 0.5
     timers.sweep()
     assert conn.events == ["aborted"]
+
+
+def test_a_paused_client_is_checked_every_peer_check_s_until_resumed() -> None:
+    timers, clock = _timers()
+    paused, resumed, gone = Conn(), Conn(), Conn()
+    for conn in (paused, resumed, gone):
+        timers.paused(conn)
+    timers.resumed(resumed)
+    timers.forget(gone)
+    clock.now += PEER_CHECK_S - 0.1
+    timers.sweep()
+    assert paused.events == []
+    clock.now += 0.1
+    timers.sweep()
+    timers.sweep()  # checked once: the entry went with the check
+    assert paused.events == ["peer checked"]
+    assert resumed.events == gone.events == []
+    timers.paused(paused)  # what check_peer does while the pause lasts
+    clock.now += PEER_CHECK_S
+    timers.sweep()
+    assert paused.events == ["peer checked", "peer checked"]
