@@ -151,6 +151,7 @@ class Closing:
             if transport.can_write_eof():
                 transport.write_eof()  # the client sees the close at once (a TCP FIN)
             self._paused = 0
+            self.relay.timers.resumed(self)
             transport.resume_reading()
         else:
             transport.close()

@@ -84,6 +84,8 @@ async def test_a_client_that_resets_while_held_back_is_let_go(
             host = f"{port}-sbx.{DOMAIN}"
             sock = await asyncio.to_thread(_upload_until_held_back, relay.port, host, client_tls)
             await _until(lambda: len(relay.relay.connections) == 1)
+            (conn,) = relay.relay.connections
+            await _until(lambda: bool(conn._paused))  # relay stopped reading the upload
             await asyncio.sleep(5 * CHECK_S)  # checked several times: alive, so kept
             assert len(relay.relay.connections) == 1
             assert relay.relay.pool.opened == 1
