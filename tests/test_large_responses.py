@@ -14,14 +14,12 @@ import asyncio
 import contextlib
 import hashlib
 import socket
-import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.certs import issue
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, tls_listener
 
 SIZE = 6 * 1024 * 1024
 
@@ -77,17 +75,31 @@ async def serving(upstream: Upstream) -> AsyncIterator[int]:
         server.close()
 
 
-async def connect(
-    relay: RelayUnderTest, tls: ssl.SSLContext | None, host: str, *, small_window: bool
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if small_window:  # the client's receive buffer fills at once: relay's writes stay queued
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", relay.port))
-    return await asyncio.open_connection(
-        sock=sock, ssl=tls, server_hostname=host if tls is not None else None
-    )
+@contextlib.asynccontextmanager
+async def through_relay(
+    tmp_path: Path, upstream: Upstream, *, tls: bool = False, small_window: bool = False
+) -> AsyncIterator[tuple[RelayUnderTest, asyncio.StreamReader, asyncio.StreamWriter, str]]:
+    """A relay in front of ``upstream``, and a client connected to it: (relay, its reader and
+    writer, the Host to ask for). ``small_window``: the client's receive buffer fills at
+    once, so relay's writes stay queued in its transport."""
+    overrides, client_tls = tls_listener(tmp_path / "pki") if tls else (None, None)
+    async with (
+        serving(upstream) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)], overrides) as relay,
+    ):
+        host = f"{port}-sbx.{DOMAIN}"
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if small_window:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", relay.port))
+        reader, writer = await asyncio.open_connection(
+            sock=sock, ssl=client_tls, server_hostname=host if client_tls is not None else None
+        )
+        try:
+            yield relay, reader, writer, host
+        finally:
+            writer.close()
 
 
 async def get(
@@ -115,25 +127,11 @@ async def test_large_bodies_arrive_exactly_and_the_connection_is_reused(
 ) -> None:
     bodies = [body(b"first"), body(b"second", SIZE + 12345)]
     upstream = Upstream(bodies)
-    overrides = None
-    client_tls = None
-    if tls:
-        certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
-        overrides = {"listen": {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file)}}
-        client_tls = certs.client_context()
-    async with (
-        serving(upstream) as port,
-        running_relay(tmp_path, [route("sbx", insecure=True)], overrides) as relay,
-    ):
-        host = f"{port}-sbx.{DOMAIN}"
-        reader, writer = await connect(relay, client_tls, host, small_window=slow)
-        try:
-            for expected in bodies:  # one client connection, one pooled upstream connection
-                got = await get(reader, writer, host, slow=slow)
-                assert len(got) == len(expected)
-                assert hashlib.sha256(got).digest() == hashlib.sha256(expected).digest()
-        finally:
-            writer.close()
+    async with through_relay(tmp_path, upstream, tls=tls, small_window=slow) as (_, r, w, host):
+        for expected in bodies:  # one client connection, one pooled upstream connection
+            got = await get(r, w, host, slow=slow)
+            assert len(got) == len(expected)
+            assert hashlib.sha256(got).digest() == hashlib.sha256(expected).digest()
     assert upstream.connections == 1
     assert upstream.requests == 2
 
@@ -141,49 +139,28 @@ async def test_large_bodies_arrive_exactly_and_the_connection_is_reused(
 async def test_bytes_after_a_large_body_make_the_connection_unusable(tmp_path: Path) -> None:
     first, second = body(b"one"), body(b"two", 1000)
     upstream = Upstream([first, second], after=b"HTTP/1.1 200 OK\r\n\r\nout of turn")
-    async with (
-        serving(upstream) as port,
-        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
-    ):
-        host = f"{port}-sbx.{DOMAIN}"
-        reader, writer = await connect(relay, None, host, small_window=False)
-        try:
-            assert await get(reader, writer, host, slow=False) == first
-            # Not pooled: the second request goes out on a new upstream connection.
-            upstream.requests = 1
-            assert await get(reader, writer, host, slow=False) == second
-        finally:
-            writer.close()
+    async with through_relay(tmp_path, upstream) as (_, reader, writer, host):
+        assert await get(reader, writer, host, slow=False) == first
+        # Not pooled: the second request goes out on a new upstream connection.
+        upstream.requests = 1
+        assert await get(reader, writer, host, slow=False) == second
     assert upstream.connections == 2
 
 
 async def test_an_upstream_gone_mid_body_cuts_the_response(tmp_path: Path) -> None:
     upstream = Upstream([body(b"cut")], cut_at=3 * 1024 * 1024)
-    async with (
-        serving(upstream) as port,
-        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
-    ):
-        host = f"{port}-sbx.{DOMAIN}"
-        reader, writer = await connect(relay, None, host, small_window=False)
-        try:
-            got = await get(reader, writer, host, slow=False)
-            assert got == body(b"cut")[: len(got)]
-            assert len(got) == 3 * 1024 * 1024  # all that was sent, then the close
-            assert await asyncio.wait_for(reader.read(), 5) == b""
-        finally:
-            writer.close()
+    async with through_relay(tmp_path, upstream) as (relay, reader, writer, host):
+        got = await get(reader, writer, host, slow=False)
+        assert got == body(b"cut")[: len(got)]
+        assert len(got) == 3 * 1024 * 1024  # all that was sent, then the close
+        assert await asyncio.wait_for(reader.read(), 5) == b""
         await asyncio.wait_for(upstream.ended.wait(), 5)
         assert relay.relay.pool.opened == 0
 
 
 async def test_a_client_gone_mid_body_closes_the_upstream(tmp_path: Path) -> None:
     upstream = Upstream([body(b"gone", 64 * 1024 * 1024)])
-    async with (
-        serving(upstream) as port,
-        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
-    ):
-        host = f"{port}-sbx.{DOMAIN}"
-        reader, writer = await connect(relay, None, host, small_window=False)
+    async with through_relay(tmp_path, upstream) as (relay, reader, writer, host):
         writer.write(f"GET /files HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
         await reader.readuntil(b"\r\n\r\n")
         await reader.readexactly(4 * 1024 * 1024)

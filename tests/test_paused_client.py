@@ -13,8 +13,6 @@ import contextlib
 import socket
 import ssl
 import struct
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -22,18 +20,9 @@ import pytest
 
 from relay import timers
 from relay.timers import CLOSE_GRACE_S
-from tests.support.certs import issue
-from tests.support.harness import DOMAIN, route, running_relay
+from tests.support.harness import DOMAIN, route, running_relay, tls_listener, until
 
 CHECK_S = 0.2  # PEER_CHECK_S for these tests; relay sweeps every 0.25 s
-
-
-async def _until(check: Callable[[], bool], within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s  # generous: CI machines are shared
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached in {within_s} s")
-        await asyncio.sleep(0.02)
 
 
 def _upload_until_held_back(port: int, host: str, tls: ssl.SSLContext | None) -> socket.socket:
@@ -73,19 +62,14 @@ async def test_a_client_that_resets_while_held_back_is_let_go(
     upstream = await asyncio.start_server(never_reads, "127.0.0.1", 0)
     port = upstream.sockets[0].getsockname()[1]
     sock: socket.socket | None = None
-    overrides = None
-    client_tls = None
-    if tls:
-        certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
-        overrides = {"listen": {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file)}}
-        client_tls = certs.client_context()
+    overrides, client_tls = tls_listener(tmp_path / "pki") if tls else (None, None)
     try:
         async with running_relay(tmp_path, [route("sbx", insecure=True)], overrides) as relay:
             host = f"{port}-sbx.{DOMAIN}"
             sock = await asyncio.to_thread(_upload_until_held_back, relay.port, host, client_tls)
-            await _until(lambda: len(relay.relay.connections) == 1)
+            await until(lambda: len(relay.relay.connections) == 1)
             (conn,) = relay.relay.connections
-            await _until(lambda: bool(conn._paused))  # relay stopped reading the upload
+            await until(lambda: bool(conn._paused))  # relay stopped reading the upload
             await asyncio.sleep(5 * CHECK_S)  # checked several times: alive, so kept
             assert len(relay.relay.connections) == 1
             assert relay.relay.pool.opened == 1
@@ -93,10 +77,10 @@ async def test_a_client_that_resets_while_held_back_is_let_go(
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.close()
                 sock = None
-                await _until(lambda: not relay.relay.connections)
+                await until(lambda: not relay.relay.connections)
                 # The exchange ended mid-request: its upstream connection is closed, not
                 # pooled; the close is aborted after its grace (the upstream reads nothing).
-                await _until(lambda: relay.relay.pool.opened == 0, within_s=CLOSE_GRACE_S + 5)
+                await until(lambda: relay.relay.pool.opened == 0, within_s=CLOSE_GRACE_S + 5)
             else:
                 # A FIN is not a departure: the client may still read the answer.
                 sock.shutdown(socket.SHUT_WR)

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from relay.handshake import TlsAccept
 from relay.server import ClientConnection
 from tests.support.certs import Issued, issue
-from tests.support.harness import DOMAIN, route, running_relay
+from tests.support.harness import DOMAIN, route, running_relay, until
 
 
 async def test_https_listener_forwards(tmp_path: Path) -> None:
@@ -79,14 +79,6 @@ async def _silent(port: int) -> asyncio.StreamWriter:
     return writer
 
 
-async def _until(check: Callable[[], bool], within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s  # generous: CI machines are shared
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached in {within_s} s")
-        await asyncio.sleep(0.01)
-
-
 async def _get(relay_port: int, certs: Issued, host: str) -> bytes:
     reader, writer = await asyncio.open_connection(
         "127.0.0.1", relay_port, ssl=certs.client_context(), server_hostname=host
@@ -132,17 +124,17 @@ async def test_connections_in_their_handshake_count_against_max_connections(
             stalled = await _silent(relay.port)
             held: asyncio.StreamWriter | None = None
             try:
-                await _until(lambda: len(relay.relay.handshakes) == 1)
+                await until(lambda: len(relay.relay.handshakes) == 1)
                 # 0 established + 1 in its handshake < 2: served.
                 assert (await _get(relay.port, certs, host)).startswith(b"HTTP/1.1 200")
                 # Held open: 1 established + 1 in its handshake reach the limit.
                 _, held = await asyncio.open_connection(
                     "127.0.0.1", relay.port, ssl=certs.client_context(), server_hostname=host
                 )
-                await _until(lambda: len(relay.relay.connections) == 1)
+                await until(lambda: len(relay.relay.connections) == 1)
                 assert (await _get(relay.port, certs, host)).startswith(b"HTTP/1.1 503")
                 stalled.close()
-                await _until(lambda: not relay.relay.handshakes)  # the count comes down
+                await until(lambda: not relay.relay.handshakes)  # the count comes down
                 assert (await _get(relay.port, certs, host)).startswith(b"HTTP/1.1 200")
             finally:
                 stalled.close()
@@ -158,13 +150,13 @@ async def test_handshakes_past_max_connections_are_reset_at_accept(tmp_path: Pat
     async with running_relay(tmp_path, [], _tls(certs, max_connections=2)) as relay:
         stalled = [await _silent(relay.port), await _silent(relay.port)]
         try:
-            await _until(lambda: len(relay.relay.handshakes) == 2)
+            await until(lambda: len(relay.relay.handshakes) == 2)
             assert await _answer(relay.port, hello) == b""
             stalled[0].close()
-            await _until(lambda: len(relay.relay.handshakes) == 1)
+            await until(lambda: len(relay.relay.handshakes) == 1)
             assert (await _answer(relay.port, hello))[:1] == b"\x16"
             stalled[1].close()
-            await _until(lambda: not relay.relay.handshakes)
+            await until(lambda: not relay.relay.handshakes)
         finally:
             for writer in stalled:
                 writer.close()
@@ -174,7 +166,7 @@ async def test_stop_ends_the_handshakes_in_flight(tmp_path: Path) -> None:
     certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
     async with running_relay(tmp_path, [], _tls(certs)) as relay:
         reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
-        await _until(lambda: len(relay.relay.handshakes) == 1)
+        await until(lambda: len(relay.relay.handshakes) == 1)
         inner = relay.relay
     with contextlib.suppress(ConnectionResetError):
         assert await asyncio.wait_for(reader.read(), 5) == b""
@@ -324,5 +316,5 @@ async def test_a_tls_client_going_away_leaves_nothing_behind(
     overrides = _tls(certs, header_timeout_s=0.5)
     async with running_relay(tmp_path, [route("tlsbox", insecure=True)], overrides) as relay:
         await asyncio.to_thread(client, relay.port, certs, f"1-tlsbox.{DOMAIN}")
-        await _until(lambda: not relay.relay.handshakes and not relay.relay.connections)
+        await until(lambda: not relay.relay.handshakes and not relay.relay.connections)
     assert reported == []

@@ -13,19 +13,39 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from relay.config import Config, parse
 from relay.runtime import Relay
+from tests.support.certs import issue
 from tests.support.ports import free_port
 
 DOMAIN = "e2b.test"
+
+
+async def until(check: Callable[[], bool], within_s: float = 5.0) -> None:
+    """Wait for ``check`` to hold, polling; fail after ``within_s`` (generous: CI machines
+    are shared)."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached in {within_s} s")
+        await asyncio.sleep(0.01)
+
+
+def tls_listener(directory: Path) -> tuple[dict[str, dict[str, Any]], ssl.SSLContext]:
+    """Config overrides for a TLS listener with a fresh certificate for ``*.DOMAIN``, and a
+    client context that trusts it."""
+    certs = issue(directory, [f"*.{DOMAIN}"])
+    listen = {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file)}
+    return {"listen": listen}, certs.client_context()
 
 
 def route(sandbox_id: str, port_address: str = "127.0.0.1", **fields: Any) -> dict[str, Any]:
