@@ -312,10 +312,15 @@ class Respond:
         self.cut(Reject(reason=Reason.INTERNAL))
 
     # -- ending early ---------------------------------------------------------------------------
-    def revoke(self) -> None:
-        """The route of this exchange's sandbox was revoked (SPEC §3)."""
+    def revoke(self) -> bool:
+        """The route of this exchange's sandbox was revoked (SPEC §3). An exchange relay
+        already answered (reading and dropping the rest of a refused body) keeps its own
+        reason for the access log and is not counted as revoked."""
+        if self.state in (DONE, ANSWERED, UPGRADED):
+            return False
         self.reason = "revoked"
         self.cut(failures.revoked(self.decision))
+        return True
 
     def cut(self, reject: Reject) -> None:
         """End the exchange now: an answer if nothing was written yet, else a clean or

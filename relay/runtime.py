@@ -47,7 +47,9 @@ class Live(Protocol):
     @property
     def decision(self) -> Decision | None: ...
 
-    def revoke(self) -> None: ...
+    def revoke(self) -> bool:
+        """End it now; False if it had already ended (nothing to count)."""
+        ...
 
 
 class Inflight(Mapping[str, int]):
@@ -199,12 +201,16 @@ class Relay:
             del self.live[sandbox_id]
 
     def revoke(self, sandbox_ids: frozenset[str]) -> int:
-        ended = 0
+        # Two phases: every revoked sandbox's pool is purged and its live set taken before any
+        # item is ended. Ending one can start the next request queued on its client connection
+        # (a Connect stream ends cleanly and keeps the connection), which is decided under the
+        # new table: it must neither get an idle connection of another revoked sandbox's old
+        # route (SPEC §3: "no pooled upstream connection of the old route is reused") nor be
+        # ended as if it were in flight under the old route (found by review).
+        items = [item for sandbox_id in sandbox_ids for item in self.live.get(sandbox_id, ())]
         for sandbox_id in sandbox_ids:
             self.pool.purge(sandbox_id)
-            for item in list(self.live.get(sandbox_id, ())):
-                item.revoke()
-                ended += 1
+        ended = sum(item.revoke() for item in items)
         self.observer.revoked(sandbox_ids, ended)
         return ended
 

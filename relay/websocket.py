@@ -128,9 +128,12 @@ class Splice:
         self.client.resume(PAUSE_UPSTREAM_FULL)
 
     # -- ending
-    def revoke(self) -> None:
+    def revoke(self) -> bool:
+        if self._closed:
+            return False
         self.reason = "revoked"
         self.going_away()
+        return True
 
     def going_away(self) -> None:
         """Close both sides with 1001 where a frame boundary allows it (RFC 6455 §7.4.1)."""

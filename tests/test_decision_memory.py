@@ -21,7 +21,7 @@ class InFlight:
 
     decision: Decision | None = None
 
-    def revoke(self) -> None:
+    def revoke(self) -> bool:
         raise AssertionError("nothing is revoked here")
 
 

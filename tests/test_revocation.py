@@ -1,0 +1,142 @@
+"""One route update that revokes several sandboxes, and what a revocation counts (SPEC §3).
+
+Ending a revoked exchange can start the next request queued on its client connection (a
+Connect stream ends cleanly and keeps the connection); that request is decided under the new
+table. Found by review: when the update revoked that request's sandbox too, it took an idle
+pooled connection of the sandbox's *old* route, sent its head upstream, and was then revoked
+itself, answered "The sandbox was not found". Real sockets, a real relay in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, until
+
+
+class Upstream:
+    """``/connect``: a Connect stream of slow events; ``/ka``: a keep-alive 200 ``ok``."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.heads: list[bytes] = []
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
+                if head.startswith(b"GET /ka "):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    continue
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                )
+                for i in range(200):  # bounded: 10 s at most
+                    event = json.dumps({"i": i}).encode()
+                    frame = b"\0" + struct.pack(">I", len(event)) + event
+                    writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(upstream: Upstream) -> AsyncIterator[int]:
+    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+
+
+def request(path: str, port: int, sandbox: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: {port}-{sandbox}.{DOMAIN}\r\n\r\n".encode()
+
+
+async def read_until_idle(reader: asyncio.StreamReader, quiet_s: float = 0.5) -> bytes:
+    out = b""
+    for _ in range(200):  # bounded
+        try:
+            data = await asyncio.wait_for(reader.read(65536), quiet_s)
+        except TimeoutError:
+            return out
+        if not data:
+            return out
+        out += data
+    return out
+
+
+async def prime_pool(relay: RelayUnderTest, port: int, sandbox: str, count: int) -> None:
+    """``count`` idle pooled upstream connections of ``sandbox``'s current route."""
+    clients = [await asyncio.open_connection("127.0.0.1", relay.port) for _ in range(count)]
+    for _, writer in clients:
+        writer.write(request("/ka", port, sandbox))
+    for reader, writer in clients:
+        assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        writer.close()
+
+
+async def test_a_request_started_by_a_revocation_runs_under_the_new_route(
+    tmp_path: Path,
+) -> None:
+    upstream = Upstream()
+    old = [route("aaa", insecure=True), route("bbb", insecure=True)]
+    new = [route("aaa", envd_token="e1"), route("bbb", envd_token="e2")]  # both revoked
+    async with serving(upstream) as port, running_relay(tmp_path, old) as relay:
+        for sandbox in ("aaa", "bbb"):
+            await prime_pool(relay, port, sandbox, 2)
+        assert relay.relay.pool.opened == 4
+        # Both orders, so that whichever sandbox the revocation takes first, one client's
+        # queued request starts while the other sandbox is still to be revoked.
+        clients = []
+        for first, second in (("aaa", "bbb"), ("bbb", "aaa")):
+            reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+            writer.write(request("/connect", port, first) + request("/ka", port, second))
+            clients.append((reader, writer))
+        await until(lambda: sum(h.startswith(b"GET /connect") for h in upstream.heads) == 2)
+        opened_before = upstream.connections
+        relay.set_routes(new)
+        for reader, writer in clients:
+            answer = await read_until_idle(reader)
+            writer.close()
+            stream, _, queued = answer.partition(b"0\r\n\r\n")
+            assert b'"code":"unavailable"' in stream  # the stream's clean end (SPEC §3)
+            assert queued.startswith(b"HTTP/1.1 200 OK"), queued
+            assert queued.endswith(b"ok"), queued
+        # The two queued requests went out on new upstream connections: none of the old
+        # routes' idle ones was reused, and the pool kept none of them.
+        assert upstream.connections == opened_before + 2
+        assert relay.relay.observer.revoked_exchanges == 2  # the streams, not the new requests
+
+
+async def test_an_exchange_already_answered_is_not_revoked_again(tmp_path: Path) -> None:
+    """An exchange relay answered itself (here 502, a closed port) stays registered while it
+    reads and drops the rest of the request body; a revocation then ends nothing and counts
+    nothing (found by review: it was counted, and its access-log reason became "revoked")."""
+    closed = await asyncio.start_server(lambda _r, _w: None, "127.0.0.1", 0)
+    port = closed.sockets[0].getsockname()[1]
+    closed.close()
+    await closed.wait_closed()
+    async with running_relay(tmp_path, [route("sbx", insecure=True)]) as relay:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        host = f"{port}-sbx.{DOMAIN}"
+        writer.write(f"POST /up HTTP/1.1\r\nHost: {host}\r\nContent-Length: 100\r\n\r\n".encode())
+        answer = await asyncio.wait_for(reader.readuntil(b"}"), 10)
+        assert answer.startswith(b"HTTP/1.1 502"), answer
+        assert relay.relay.inflight.get("sbx") == 1  # still reading the body it drops
+        relay.set_routes([route("sbx", envd_token="rotated")])
+        assert relay.relay.observer.revoked_exchanges == 0
+        writer.write(b"x" * 100)
+        await until(lambda: relay.relay.inflight.get("sbx") == 0)
+        writer.close()
