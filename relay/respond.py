@@ -312,14 +312,14 @@ class Respond:
         self.cut(Reject(reason=Reason.INTERNAL))
 
     # -- ending early ---------------------------------------------------------------------------
-    def revoke(self) -> bool:
-        """The route of this exchange's sandbox was revoked (SPEC §3). An exchange relay
-        already answered (reading and dropping the rest of a refused body) keeps its own
-        reason for the access log and is not counted as revoked."""
+    def revoke(self, answer: Reason) -> bool:
+        """The route of this exchange's sandbox was revoked (SPEC §3), or relay stops
+        (``Reason.DRAINING``). An exchange relay already answered (reading and dropping the
+        rest of a refused body) keeps its own reason for the access log and is not counted."""
         if self.state in (DONE, ANSWERED, UPGRADED):
             return False
-        self.reason = "revoked"
-        self.cut(failures.revoked(self.decision))
+        self.reason = "draining" if answer is Reason.DRAINING else "revoked"
+        self.cut(failures.revoked(self.decision, answer))
         return True
 
     def cut(self, reject: Reject) -> None:

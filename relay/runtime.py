@@ -47,8 +47,9 @@ class Live(Protocol):
     @property
     def decision(self) -> Decision | None: ...
 
-    def revoke(self) -> bool:
-        """End it now; False if it had already ended (nothing to count)."""
+    def revoke(self, answer: Reason) -> bool:
+        """End it now, answering ``answer`` if no response has started; False if it had
+        already ended (nothing to count)."""
         ...
 
 
@@ -207,10 +208,15 @@ class Relay:
         # new table: it must neither get an idle connection of another revoked sandbox's old
         # route (SPEC §3: "no pooled upstream connection of the old route is reused") nor be
         # ended as if it were in flight under the old route (found by review).
-        items = [item for sandbox_id in sandbox_ids for item in self.live.get(sandbox_id, ())]
+        table = self.table  # the new one: a sandbox still in it had its route changed
+        items = [
+            (item, Reason.NOT_FOUND if table.get(sandbox_id) is None else Reason.ROUTE_CHANGED)
+            for sandbox_id in sandbox_ids
+            for item in self.live.get(sandbox_id, ())
+        ]
         for sandbox_id in sandbox_ids:
             self.pool.purge(sandbox_id)
-        ended = sum(item.revoke() for item in items)
+        ended = sum(item.revoke(answer) for item, answer in items)
         self.observer.revoked(sandbox_ids, ended)
         return ended
 
@@ -394,7 +400,7 @@ class Relay:
         for server in self._servers:
             server.close()
         for item in [i for items in self.live.values() for i in items]:
-            item.revoke()
+            item.revoke(Reason.DRAINING)
         for handshake in list(self.handshakes):
             handshake.abort()
         for conn in list(self.connections):

@@ -15,7 +15,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from relay.core.model import Forward
+from relay.core.model import Forward, Reason
 from relay.core.streams import CLOSE_GOING_AWAY, FrameTracker, close_frame
 from relay.flow import PAUSE_UPSTREAM_FULL
 
@@ -128,10 +128,11 @@ class Splice:
         self.client.resume(PAUSE_UPSTREAM_FULL)
 
     # -- ending
-    def revoke(self) -> bool:
+    def revoke(self, answer: Reason) -> bool:
+        """Ended with 1001 whatever ``answer`` (the splice's response started long ago)."""
         if self._closed:
             return False
-        self.reason = "revoked"
+        self.reason = "draining" if answer is Reason.DRAINING else "revoked"
         self.going_away()
         return True
 

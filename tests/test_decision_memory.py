@@ -21,7 +21,7 @@ class InFlight:
 
     decision: Decision | None = None
 
-    def revoke(self) -> bool:
+    def revoke(self, answer: Reason) -> bool:
         raise AssertionError("nothing is revoked here")
 
 

@@ -20,7 +20,8 @@ from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, 
 
 
 class Upstream:
-    """``/connect``: a Connect stream of slow events; ``/ka``: a keep-alive 200 ``ok``."""
+    """``/connect``: a Connect stream of slow events; ``/ka``: a keep-alive 200 ``ok``;
+    ``/hang``: no answer."""
 
     def __init__(self) -> None:
         self.connections = 0
@@ -35,6 +36,9 @@ class Upstream:
                 if head.startswith(b"GET /ka "):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                     continue
+                if head.startswith(b"GET /hang "):
+                    await asyncio.wait_for(reader.read(), 10)  # no answer: until relay closes
+                    return
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
                     b"Transfer-Encoding: chunked\r\n\r\n"
@@ -140,3 +144,34 @@ async def test_an_exchange_already_answered_is_not_revoked_again(tmp_path: Path)
         writer.write(b"x" * 100)
         await until(lambda: relay.relay.inflight.get("sbx") == 0)
         writer.close()
+
+
+async def test_a_request_waiting_for_its_answer_learns_why(tmp_path: Path) -> None:
+    """A removed route: "The sandbox was not found" (as E2B's proxy says for a dead sandbox).
+    A changed one: another 502 text, as the sandbox still runs; E2B's SDKs 2.63+ read "was
+    not found" as SandboxNotRunningException and any other 502 as unreachable."""
+    upstream = Upstream()
+    old = [route("moved", insecure=True), route("gone", insecure=True)]
+    async with serving(upstream) as port, running_relay(tmp_path, old) as relay:
+        clients = {}
+        for sandbox in ("moved", "gone"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+            writer.write(request("/hang", port, sandbox))
+            clients[sandbox] = (reader, writer)
+        await until(lambda: sum(h.startswith(b"GET /hang") for h in upstream.heads) == 2)
+        relay.set_routes([route("moved", envd_token="rotated")])
+        answers = {}
+        for sandbox, (reader, writer) in clients.items():
+            answer = await asyncio.wait_for(reader.readuntil(b"}"), 5)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 502 "), answer
+            answers[sandbox] = json.loads(answer.partition(b"\r\n\r\n")[2])
+        assert answers["gone"] == {
+            "code": 502,
+            "message": "The sandbox was not found",
+            "sandboxId": "gone",
+        }
+        assert answers["moved"]["code"] == 502
+        assert answers["moved"]["sandboxId"] == "moved"
+        assert "was not found" not in answers["moved"]["message"]
+        assert "port is not open" not in answers["moved"]["message"]

@@ -54,9 +54,10 @@ def malformed(decision: Decision | None) -> Reject:
     return Reject(reason=Reason.UPSTREAM_ERROR, sandbox_id=sandbox_of(decision))
 
 
-def revoked(decision: Decision | None) -> Reject:
-    """The sandbox's route was revoked while the request was in flight (SPEC §3)."""
+def revoked(decision: Decision | None, answer: Reason) -> Reject:
+    """The sandbox's route was revoked while the request was in flight (SPEC §3): NOT_FOUND
+    when it was removed, ROUTE_CHANGED when it changed, DRAINING when relay stops."""
     sandbox_id = (
         decision.target.sandbox_id if isinstance(decision, Forward) and decision.target else None
     )
-    return Reject(reason=Reason.NOT_FOUND, sandbox_id=sandbox_id)
+    return Reject(reason=answer, sandbox_id=sandbox_id)

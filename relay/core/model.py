@@ -160,6 +160,14 @@ class Reason(enum.Enum):
         "The sandbox has too many concurrent incoming connections",
     )
     NOT_FOUND = (502, "not_found", "The sandbox was not found")
+    # A route that changed (address, generation or a token) under a request still waiting for
+    # its answer. Not NOT_FOUND: the sandbox still runs, and E2B's SDKs (2.63+) read "was not
+    # found" as SandboxNotRunningException; any other 502 text reads as unreachable.
+    ROUTE_CHANGED = (
+        502,
+        "route_changed",
+        "The sandbox's route changed while the request was in flight",
+    )
     PORT_CLOSED = (502, "port_closed", "The sandbox is running but port is not open")
     UPSTREAM_ERROR = (502, "upstream_error", "The sandbox answered with a malformed response")
     MANAGEMENT_UNAVAILABLE = (502, "management_unavailable", "The API server is unreachable")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -77,13 +78,19 @@ CLOSED = "The sandbox closed the connection before answering"
             id="malformed-management",
         ),
         pytest.param(
-            failures.revoked,
+            partial(failures.revoked, answer=Reason.NOT_FOUND),
             APP,
             Reject(reason=Reason.NOT_FOUND, sandbox_id="sbx"),
-            id="revoked-sandbox",
+            id="revoked-removed",
         ),
         pytest.param(
-            failures.revoked,
+            partial(failures.revoked, answer=Reason.ROUTE_CHANGED),
+            APP,
+            Reject(reason=Reason.ROUTE_CHANGED, sandbox_id="sbx"),
+            id="revoked-changed",
+        ),
+        pytest.param(
+            partial(failures.revoked, answer=Reason.NOT_FOUND),
             Reject(reason=Reason.STALE),
             Reject(reason=Reason.NOT_FOUND),
             id="revoked-refused",
