@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relay.core.model import Reason, Reject
+from relay.core.model import Reason
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
@@ -48,18 +48,13 @@ def close_idle(relay: Relay) -> int:
 
 
 def cut_remaining(relay: Relay) -> int:
-    """End every WebSocket (1001) and exchange still running; how many were ended."""
+    """End every WebSocket (1001) and exchange still running; how many were ended. An
+    exchange relay already answered (still dropping a refused body) is not counted and keeps
+    its reason (found by review; the same path as a revocation's, ``revoke``)."""
     ended = 0
     for conn in list(relay.connections):
-        splice = conn.splice
-        exchange = conn.active
-        if splice is not None:
-            splice.reason = "draining"
-            splice.going_away()
-            ended += 1
-        elif exchange is not None:
-            exchange.reason = "draining"
-            exchange.cut(Reject(reason=Reason.DRAINING, retry_after=1))
+        item = conn.splice or conn.active
+        if item is not None and item.revoke(Reason.DRAINING):
             ended += 1
         conn.close()
     return ended

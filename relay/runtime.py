@@ -20,6 +20,7 @@ from aiohttp import web
 from relay import admin, netlink
 from relay.accesslog import ACCESS_LOG
 from relay.config import Config, in_networks, networks, parse_http_url, split_address
+from relay.core import failures
 from relay.core.decide import FeedState, Settings
 from relay.core.feed import freshness
 from relay.core.model import Decision, Forward, Reason, Reject, RequestHead, Route
@@ -154,7 +155,7 @@ class Relay:
         if shortcut is not None and shortcut[0] is self._decisions.epoch and not self.draining:
             return shortcut[1]
         if self.draining:
-            return Reject(reason=Reason.DRAINING, retry_after=1)
+            return Reject(reason=Reason.DRAINING, retry_after=failures.DRAINING_RETRY_AFTER_S)
         return self._decisions.decide(
             head, self._table, self._settings, self._feed_state, self.inflight
         )

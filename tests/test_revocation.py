@@ -16,6 +16,7 @@ import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from relay.drain import drain
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, until
 
 
@@ -175,3 +176,39 @@ async def test_a_request_waiting_for_its_answer_learns_why(tmp_path: Path) -> No
         assert answers["moved"]["sandboxId"] == "moved"
         assert "was not found" not in answers["moved"]["message"]
         assert "port is not open" not in answers["moved"]["message"]
+
+
+async def test_drain_and_stop_answer_alike_and_count_what_they_end(tmp_path: Path) -> None:
+    """Found by review: relay's stop answered 503 without the Retry-After that a drain's
+    answer has, a drain's answer had no sandboxId, and a drain counted (and relabelled) an
+    exchange relay had already answered. Both now end things through ``revoke``."""
+    upstream = Upstream()
+    closed = await asyncio.start_server(lambda _r, _w: None, "127.0.0.1", 0)
+    closed_port = closed.sockets[0].getsockname()[1]
+    closed.close()
+    await closed.wait_closed()
+    async with (
+        serving(upstream) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
+    ):
+        waiting = await asyncio.open_connection("127.0.0.1", relay.port)
+        waiting[1].write(request("/hang", port, "sbx"))
+        answered = await asyncio.open_connection("127.0.0.1", relay.port)
+        host = f"{closed_port}-sbx.{DOMAIN}"
+        answered[1].write(
+            f"POST /up HTTP/1.1\r\nHost: {host}\r\nContent-Length: 9\r\n\r\n".encode()
+        )
+        assert (await asyncio.wait_for(answered[0].readuntil(b"}"), 10)).startswith(b"HTTP/1.1 502")
+        await until(lambda: any(h.startswith(b"GET /hang") for h in upstream.heads))
+        assert await drain(relay.relay, 0) == 1  # the waiting request; not the answered one
+        answer = await asyncio.wait_for(waiting[0].readuntil(b"}"), 5)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503")
+        assert b"\r\nRetry-After: 1" in head
+        assert json.loads(body) == {
+            "code": 503,
+            "message": "relay is shutting down",
+            "sandboxId": "sbx",
+        }
+        for _, writer in (waiting, answered):
+            writer.close()

@@ -10,12 +10,17 @@ sandbox (``sandboxId``).
 | no connection (refused, timed out)      | 502 port_closed      | 502 management_unavailable |
 | closed before the response head         | 502 upstream_error   | 502 management_unavailable |
 | a response that cannot be relayed       | 502 upstream_error   | 502 upstream_error         |
-| the route was revoked (SPEC §3)         | 502 not_found        |                            |
+| the route was removed (SPEC §3)         | 502 not_found        |                            |
+| the route changed (SPEC §3)             | 502 route_changed    |                            |
+| relay stops (drain, stop)               | 503 draining         | 503 draining               |
 """
 
 from __future__ import annotations
 
 from relay.core.model import Decision, Forward, Kind, Reason, Reject
+
+# A draining relay's answer: retry in a second, on another relay behind the same name.
+DRAINING_RETRY_AFTER_S = 1
 
 
 def sandbox_of(decision: Decision | None) -> str | None:
@@ -56,8 +61,7 @@ def malformed(decision: Decision | None) -> Reject:
 
 def revoked(decision: Decision | None, answer: Reason) -> Reject:
     """The sandbox's route was revoked while the request was in flight (SPEC §3): NOT_FOUND
-    when it was removed, ROUTE_CHANGED when it changed, DRAINING when relay stops."""
-    sandbox_id = (
-        decision.target.sandbox_id if isinstance(decision, Forward) and decision.target else None
-    )
-    return Reject(reason=answer, sandbox_id=sandbox_id)
+    when it was removed, ROUTE_CHANGED when it changed; DRAINING when relay stops (drain or
+    stop: one answer, with its Retry-After)."""
+    retry_after = DRAINING_RETRY_AFTER_S if answer is Reason.DRAINING else None
+    return Reject(reason=answer, sandbox_id=sandbox_of(decision), retry_after=retry_after)
