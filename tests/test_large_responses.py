@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, tls_listener
+from tests.support.harness import (
+    DOMAIN,
+    RelayUnderTest,
+    route,
+    running_relay,
+    scripted_upstream,
+    tls_listener,
+)
 
 SIZE = 6 * 1024 * 1024
 
@@ -67,15 +74,6 @@ class Upstream:
 
 
 @contextlib.asynccontextmanager
-async def serving(upstream: Upstream) -> AsyncIterator[int]:
-    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-
-
-@contextlib.asynccontextmanager
 async def through_relay(
     tmp_path: Path, upstream: Upstream, *, tls: bool = False, small_window: bool = False
 ) -> AsyncIterator[tuple[RelayUnderTest, asyncio.StreamReader, asyncio.StreamWriter, str]]:
@@ -84,7 +82,7 @@ async def through_relay(
     once, so relay's writes stay queued in its transport."""
     overrides, client_tls = tls_listener(tmp_path / "pki") if tls else (None, None)
     async with (
-        serving(upstream) as port,
+        scripted_upstream(upstream.serve) as port,
         running_relay(tmp_path, [route("sbx", insecure=True)], overrides) as relay,
     ):
         host = f"{port}-sbx.{DOMAIN}"

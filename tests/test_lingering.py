@@ -12,28 +12,23 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from relay import closing
 from tests.support.certs import issue
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.harness import (
+    DOMAIN,
+    RelayUnderTest,
+    route,
+    running_relay,
+    scripted_upstream,
+)
 
 SIZE = 8 * 1024 * 1024  # several times what the kernel buffers on loopback
 BLOCK = b"u" * 65536
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@contextlib.asynccontextmanager
-async def scripted_upstream(handler: Handler) -> AsyncIterator[int]:
-    server_ = await asyncio.start_server(handler, "127.0.0.1", 0)
-    try:
-        yield server_.sockets[0].getsockname()[1]
-    finally:
-        server_.close()
 
 
 async def send_upload(writer: asyncio.StreamWriter, host: str, headers: str) -> None:

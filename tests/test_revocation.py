@@ -10,14 +10,19 @@ itself, answered "The sandbox was not found". Real sockets, a real relay in-proc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import struct
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from relay.drain import drain
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, until
+from tests.support.harness import (
+    DOMAIN,
+    RelayUnderTest,
+    route,
+    running_relay,
+    scripted_upstream,
+    until,
+)
 
 
 class Upstream:
@@ -56,15 +61,6 @@ class Upstream:
             writer.close()
 
 
-@contextlib.asynccontextmanager
-async def serving(upstream: Upstream) -> AsyncIterator[int]:
-    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-
-
 def request(path: str, port: int, sandbox: str) -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: {port}-{sandbox}.{DOMAIN}\r\n\r\n".encode()
 
@@ -98,7 +94,7 @@ async def test_a_request_started_by_a_revocation_runs_under_the_new_route(
     upstream = Upstream()
     old = [route("aaa", insecure=True), route("bbb", insecure=True)]
     new = [route("aaa", envd_token="e1"), route("bbb", envd_token="e2")]  # both revoked
-    async with serving(upstream) as port, running_relay(tmp_path, old) as relay:
+    async with scripted_upstream(upstream.serve) as port, running_relay(tmp_path, old) as relay:
         for sandbox in ("aaa", "bbb"):
             await prime_pool(relay, port, sandbox, 2)
         assert relay.relay.pool.opened == 4
@@ -153,7 +149,7 @@ async def test_a_request_waiting_for_its_answer_learns_why(tmp_path: Path) -> No
     not found" as SandboxNotRunningException and any other 502 as unreachable."""
     upstream = Upstream()
     old = [route("moved", insecure=True), route("gone", insecure=True)]
-    async with serving(upstream) as port, running_relay(tmp_path, old) as relay:
+    async with scripted_upstream(upstream.serve) as port, running_relay(tmp_path, old) as relay:
         clients = {}
         for sandbox in ("moved", "gone"):
             reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
@@ -188,7 +184,7 @@ async def test_drain_and_stop_answer_alike_and_count_what_they_end(tmp_path: Pat
     closed.close()
     await closed.wait_closed()
     async with (
-        serving(upstream) as port,
+        scripted_upstream(upstream.serve) as port,
         running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
     ):
         waiting = await asyncio.open_connection("127.0.0.1", relay.port)

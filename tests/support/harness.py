@@ -17,7 +17,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,19 @@ from tests.support.certs import issue
 from tests.support.ports import free_port
 
 DOMAIN = "e2b.test"
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def scripted_upstream(handler: Handler) -> AsyncIterator[int]:
+    """An upstream on a free loopback port that runs ``handler`` per connection; its port."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
 
 
 async def until(check: Callable[[], bool], within_s: float = 5.0) -> None:
