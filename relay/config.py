@@ -346,6 +346,10 @@ def _check_redis_secrets(routes: Routes) -> None:
     logs a warning) but not together with those keys, because redis-py would silently
     prefer the URL's.
     """
+    try:
+        urllib.parse.urlsplit(routes.redis_url).port  # noqa: B018 - it raises what is wrong
+    except ValueError as exc:  # "Invalid IPv6 URL" for redis://[::1:6379/0 (found by review)
+        raise ConfigError(f"routes.redis_url: {exc}") from None
     _check(
         not (routes.redis_password_file and routes.redis_password_env),
         "routes.redis_password_env",
@@ -372,8 +376,13 @@ def _check_redis_secrets(routes: Routes) -> None:
 def split_address(address: str) -> tuple[str, int] | None:
     """``host:port`` or ``[v6]:port`` → (host, port)."""
     host, sep, port = address.rpartition(":")
-    # isascii: str.isdigit() also accepts digits int() refuses ("²").
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+    # isascii: str.isdigit() also accepts digits int() refuses ("²"); at most 5 digits, as
+    # int() refuses strings past 4,300 digits with a ValueError (found by review).
+    if (
+        not sep
+        or not (port.isascii() and port.isdigit() and len(port) <= 5)
+        or not 0 <= int(port) <= 65535
+    ):
         return None
     if not host:
         return None

@@ -27,7 +27,7 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from relay.config import Config, ConfigError, load, networks, parse_http_url
+from relay.config import Config, ConfigError, in_networks, load, networks, parse_http_url
 from relay.tlscheck import uncovered_domains
 
 if TYPE_CHECKING:
@@ -120,6 +120,9 @@ def reload_settings(relay: Relay) -> bool:
         except ConfigError as exc:
             log.error("config reload failed, keeping the running configuration: %s", exc)
             ok = False
+        except Exception:  # a bug in relay's own checks: still a failed reload, not a crash
+            log.exception("config reload failed, keeping the running configuration")
+            ok = False
         else:
             result = plan(old, loaded)
             if result.restart_needed:
@@ -173,10 +176,13 @@ def _reload_tls(relay: Relay, old: Config, new: Config) -> tuple[Config, bool]:
 
 def apply(relay: Relay, config: Config) -> None:
     """Make ``config`` the running configuration (only reloadable keys may differ)."""
+    old = relay.config
     relay.config = config
     relay.settings = config.settings()
     relay.allowed_cidrs = config.allowed_cidrs()
     relay.feed.allowed = relay.allowed_cidrs  # routes are re-validated by the next load
+    if relay.allowed_cidrs != old.allowed_cidrs():
+        _drop_routes_outside(relay)
     relay.allowed_clients = networks(config.listen.allowed_clients)
     relay.timers.header_timeout_s = config.listen.header_timeout_s
     relay.timers.idle_timeout_s = config.listen.idle_timeout_s
@@ -190,3 +196,20 @@ def apply(relay: Relay, config: Config) -> None:
         for conn in list(relay.connections):
             if not relay.allowed(conn.peer):
                 conn.abort()
+    if config.routes.max_stale_s != old.routes.max_stale_s:
+        relay.refresh_feed_state()  # a feed already down may be stale under the new value
+
+
+def _drop_routes_outside(relay: Relay) -> None:
+    """``upstream.allowed_cidrs`` changed: routes now outside it go at once, revoked (SPEC §3:
+    a route's address is inside it). Not left to the feed's next load, which keeps the old
+    table when the routes file does not parse or Redis is down (found by review)."""
+    allowed = relay.allowed_cidrs
+    outside = [
+        sandbox_id
+        for sandbox_id, route in relay.table.routes.items()
+        if not in_networks(route.address, allowed)
+    ]
+    if outside:
+        log.warning("%d route(s) outside upstream.allowed_cidrs removed", len(outside))
+        relay.apply_routes((), outside, "reload")

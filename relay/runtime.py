@@ -252,15 +252,15 @@ class Relay:
             self._broken_since = since
         if self.observer.feed_failing_since is None:
             self.observer.feed_failing_since = since  # relay_feed_staleness_seconds
-        self._refresh_feed_state()
+        self.refresh_feed_state()
 
     def feed_restored(self) -> None:
         """The feed is back and resynced (after ``install_routes``): the clock stops."""
         self._broken_since = None
         self.observer.feed_failing_since = None
-        self._refresh_feed_state()
+        self.refresh_feed_state()
 
-    def _refresh_feed_state(self) -> None:
+    def refresh_feed_state(self) -> None:
         """Recompute ``feed_state`` now and arm a timer for the moment it turns stale."""
         if self._stale_timer is not None:
             self._stale_timer.cancel()
@@ -280,7 +280,7 @@ class Relay:
         if self._broken_since is not None and state.ready and not state.stale:
             delay = max(0.0, self._broken_since + max_stale_s - now)
             loop = asyncio.get_running_loop()
-            self._stale_timer = loop.call_later(delay, self._refresh_feed_state)
+            self._stale_timer = loop.call_later(delay, self.refresh_feed_state)
 
     # -- tasks ----------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -385,8 +385,10 @@ class Relay:
         """SIGHUP: the configuration, the TLS certificate (both in ``relay.reload``) and the
         routes file, without dropping connections."""
         log.info("reload requested")
-        reload_settings(self)
-        self.feed.load()
+        try:
+            reload_settings(self)
+        finally:
+            self.feed.load()  # SPEC §7: the routes file too, whatever became of the config
 
     def stop_accepting(self) -> None:
         """Close the data listeners (drain); accepted connections keep running."""

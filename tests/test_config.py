@@ -32,6 +32,13 @@ def test_embedded_default_config_loads() -> None:
         ({"listen": {"max_connections": True}}, "listen.max_connections"),
         ({"listen": {"address": 8080}}, "listen.address"),
         ({"listen": {"address": "nohostport"}}, "listen.address[0]"),
+        # int() raises ValueError past 4,300 digits (found by review)
+        ({"listen": {"address": "127.0.0.1:" + "0" * 5000}}, "listen.address[0]"),
+        ({"admin": {"address": "127.0.0.1:" + "9" * 5000}}, "admin.address"),
+        (
+            {"routes": {"source": "redis", "redis_url": "redis://[::1:6379/0"}},
+            "routes.redis_url",
+        ),
         ({"listen": {"tls_cert": "a.pem"}}, "listen.tls_key"),
         ({"listen": {"trusted_proxies": ["nope"]}}, "listen.trusted_proxies[0]"),
         ({"upstream": {"credentials": "maybe"}}, "upstream.credentials"),

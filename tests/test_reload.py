@@ -9,6 +9,7 @@ import logging
 import shutil
 import signal
 import ssl
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from aiohttp.test_utils import TestServer
 from cryptography import x509
 
 from relay.config import Config, load, parse
-from relay.reload import RELOADABLE, flatten, plan
+from relay.reload import RELOADABLE, flatten, plan, reload_settings
 from relay.runtime import Relay
 from tests.support.certs import Issued, issue
 from tests.support.harness import DOMAIN, config_data, relay_process, route, to_toml, write_routes
@@ -183,6 +184,60 @@ async def test_a_broken_config_file_keeps_the_running_one(
         caplog.text
     )
     assert relay.observer.reloads["error"] == 1
+
+
+async def test_a_config_relay_cannot_parse_is_a_failed_reload_and_routes_still_reload(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a ValueError out of the config's checks (a port past int()'s digit
+    limit) escaped the reload, so the failure was neither counted nor logged, and the routes
+    file was not re-read (SPEC §7). Any error in the checks is now a failed reload."""
+    async with relay_from_file(tmp_path, config_data(tmp_path)) as relay:
+        before = relay.config
+
+        def broken(_path: object) -> object:
+            raise ValueError("a bug in relay's own checks")
+
+        monkeypatch.setattr("relay.reload.load", broken)
+        write_routes(
+            tmp_path / "routes.json", [route("sbx1", insecure=True), route("sbx2", insecure=True)]
+        )
+        relay.reload()
+        assert relay.config is before
+        assert relay.table.get("sbx2") is not None
+    assert "config reload failed, keeping the running configuration" in caplog.text
+    assert relay.observer.reloads["error"] == 1
+
+
+async def test_narrowing_allowed_cidrs_removes_routes_outside_even_if_routes_fail_to_load(
+    tmp_path: Path, upstream: TestServer
+) -> None:
+    """Found by review: the narrowing was left to the feed's next load, which keeps the old
+    table when the routes file does not parse; a route outside kept being served."""
+    data = config_data(tmp_path)
+    async with relay_from_file(tmp_path, data) as relay:
+        host = f"{upstream.port}-sbx1.{DOMAIN}"
+        assert (await request(relay.bound[0][1], "GET", "/", host)).status == 200
+        (tmp_path / "routes.json").write_text("{ half-written")
+        data.setdefault("upstream", {})["allowed_cidrs"] = ["10.0.0.0/8"]
+        _rewrite(tmp_path, data)
+        relay.reload()
+        assert relay.table.get("sbx1") is None
+        response = await request(relay.bound[0][1], "GET", "/", host)
+        assert response.status == 502
+        assert b"was not found" in response.body
+
+
+async def test_lowering_max_stale_applies_to_a_feed_already_down(tmp_path: Path) -> None:
+    """Found by review: the stale timer armed with the old max_stale_s was kept."""
+    data = config_data(tmp_path)
+    async with relay_from_file(tmp_path, data) as relay:
+        relay.feed_broken(time.monotonic() - 5)  # the feed went down 5 s ago
+        assert not relay.feed_state.stale  # max_stale_s 30 by default
+        data["routes"]["max_stale_s"] = 1
+        _rewrite(tmp_path, data)
+        assert reload_settings(relay)  # the config only: a routes load would end the outage
+        assert relay.feed_state.stale
 
 
 async def test_allowed_clients_reload_disconnects_clients_no_longer_allowed(
