@@ -176,12 +176,12 @@ def _reload_tls(relay: Relay, old: Config, new: Config) -> tuple[Config, bool]:
 
 def apply(relay: Relay, config: Config) -> None:
     """Make ``config`` the running configuration (only reloadable keys may differ)."""
-    old = relay.config
+    old, old_cidrs = relay.config, relay.allowed_cidrs
     relay.config = config
     relay.settings = config.settings()
     relay.allowed_cidrs = config.allowed_cidrs()
     relay.feed.allowed = relay.allowed_cidrs  # routes are re-validated by the next load
-    if relay.allowed_cidrs != old.allowed_cidrs():
+    if relay.allowed_cidrs != old_cidrs:
         _drop_routes_outside(relay)
     relay.allowed_clients = networks(config.listen.allowed_clients)
     relay.timers.header_timeout_s = config.listen.header_timeout_s
