@@ -249,6 +249,8 @@ class Exchange(Respond):
     def upstream_data(self, data: bytes) -> None:
         reader = self.reader
         if reader is not None:
+            if reader.at_chunk and self._whole_chunk(data):
+                return
             reader.feed(data)
 
     def upstream_eof(self) -> None:

@@ -116,6 +116,7 @@ class ResponseReader:
     __slots__ = (
         "_body_left",
         "_body_seen",
+        "_chunk_edge",
         "_closing",
         "_ended",
         "_extra",
@@ -131,6 +132,7 @@ class ResponseReader:
         "_release",
         "_seen",
         "_stalled",
+        "at_chunk",
         "feeding",
         "interim",
         "parser",
@@ -185,6 +187,13 @@ class ResponseReader:
         self._first = True
         self._body_seen = 0  # body bytes llhttp delivered in this read
         self._ended = False  # and the response ended in this read
+        # llhttp's last event was the end of a chunk of the final response (on_chunk_complete;
+        # any later event clears it) ...
+        self._chunk_edge = False
+        # ... and nothing came after it in the read it parsed: llhttp waits at the start of a
+        # chunk-size line, so the exchange may pass a whole chunk on without it
+        # (Respond._whole_chunk). Set only after a read llhttp parsed without an error.
+        self.at_chunk = False
 
     def unbind(self) -> None:
         """The exchange is over: it is no longer reported to (and no longer kept alive by this
@@ -214,6 +223,7 @@ class ResponseReader:
                     pool.release(conn)
 
     def _feed(self, data: bytes) -> None:
+        self.at_chunk = False
         if self._body_left > 0 and self._moved:
             self._pass_body(data)
             return
@@ -229,6 +239,10 @@ class ResponseReader:
         self._moved = False
         try:
             parser.feed_data(data)
+            # After on_chunk_complete llhttp reads a chunk-size line, which fires on_chunk_header
+            # once its LF arrives: a read ending in CRLF with no event after the chunk's end
+            # ends exactly there (an empty size line is an error, raised above).
+            self.at_chunk = self._chunk_edge and data.endswith(b"\r\n")
             if self._key is not None:
                 self._remember(len(data))
             owner.flush()
@@ -351,6 +365,7 @@ class ResponseReader:
 
     # -- llhttp callbacks ------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self._chunk_edge = False
         if self._owner.response_complete:
             self._extra = True
             return
@@ -407,7 +422,14 @@ class ResponseReader:
             self._body_left -= len(body)
         self._owner.response_body(body)
 
+    def on_chunk_header(self) -> None:
+        self._chunk_edge = False
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_edge = True  # of the final response: a 1xx has no body (RFC 9110 §15.2)
+
     def on_message_complete(self) -> None:
+        self._chunk_edge = False
         self._moved = True
         if self.interim:
             self.interim = False

@@ -71,6 +71,19 @@ class EnvelopeTracker:
         held, self._held = self._held, b""
         return held
 
+    def whole(self, data: bytes, start: int, end: int) -> bool:
+        """Whether ``data[start:end]`` is one whole envelope and nothing is held: what
+        :meth:`feed` would release as it is (the usual stream event). The caller then passes
+        it on itself; False leaves the tracker as it was, for :meth:`feed`."""
+        if self._held or self._skip or end - start < 5:
+            return False
+        size = (data[start + 1] << 24) | (data[start + 2] << 16) | (data[start + 3] << 8)
+        if end - start != 5 + (size | data[start + 4]):
+            return False
+        if data[start] & END_STREAM_FLAG:
+            self.ended = True
+        return True
+
     def feed(self, data: bytes) -> bytes:
         """Bytes that may be released now; the rest is held until its envelope completes."""
         released = b""
