@@ -427,6 +427,10 @@ class ResponseReader:
 
     def on_chunk_complete(self) -> None:
         self._chunk_edge = True  # of the final response: a 1xx has no body (RFC 9110 §15.2)
+        # Progress, as a body is (_stalled counts bytes without any): so a read that ends at a
+        # chunk's end leaves no count behind, whether the next chunk then goes through llhttp
+        # or is passed on whole (found by review: a read of only a chunk's CRLF left 2).
+        self._moved = True
 
     def on_message_complete(self) -> None:
         self._chunk_edge = False

@@ -158,6 +158,18 @@ def test_an_envelope_held_in_part_is_not_passed_around(
     assert got == serve(tmp_path / "parsed", reads, cut_after=3, fast=False)
 
 
+def test_a_chunk_passed_on_whole_leaves_the_stall_count_as_llhttp_would(tmp_path: Path) -> None:
+    """A read of only a chunk's CRLF, a chunk passed on whole, then a size line of 65,535 bytes
+    (llhttp reports nothing until it ends): just under relay's 64 KiB limit on bytes without
+    progress either way (found by review: the CRLF's 2 bytes stayed counted)."""
+    long_line = b"1;a=" + b"b" * (65_535 - 4)
+    reads = [PLAIN_HEAD + b"5\r\nhello", b"\r\n", chunk(b"abc"), long_line, b"\r\nx\r\n0\r\n\r\n"]
+    got = serve(tmp_path, reads)
+    assert got == serve(tmp_path / "parsed", reads, fast=False)
+    data = b"".join(d for kind, d in got[0] if kind == "write")
+    assert data.endswith(b"3\r\nabc\r\n1\r\nx\r\n0\r\n\r\n")
+
+
 def test_a_chunk_in_other_framing_is_parsed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
