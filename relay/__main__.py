@@ -7,7 +7,6 @@ Exit codes: 0 success, 2 configuration or usage error (the message names the bad
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from relay import __version__, accesslog, routes_cli
-from relay.config import Config, ConfigError, load, redact_url
+from relay.config import Config, ConfigError, config_sections, load, redact_url
 from relay.core.auth import file_signature
 
 log = logging.getLogger("relay")
@@ -112,7 +111,10 @@ def _hold_standard_descriptors() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _hold_standard_descriptors()
-    config = load(args.config)
+    from relay.lifecycle import effective_config  # noqa: PLC0415
+
+    # A worker its supervisor restarted runs what its siblings run, not the file as it is now.
+    config = effective_config(os.environ, args.config) or load(args.config)
     _setup_logging(args.log_level)
     # Imported here so that check-config and sign-url start without the server stack.
     import uvloop  # noqa: PLC0415
@@ -137,15 +139,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def redacted(config: Config) -> dict[str, Any]:
     """The effective configuration with secrets replaced (SPEC §7, check-config)."""
-    out: dict[str, Any] = {}
-    for section in dataclasses.fields(config):
-        if section.name in ("base_dir", "source"):
-            continue
-        values = dataclasses.asdict(getattr(config, section.name))
+    out = config_sections(config)
+    for values in out.values():
         for key in values:
             if key in SECRET_KEYS and values[key]:
                 values[key] = redact_url(values[key])
-        out[section.name] = values
     return out
 
 

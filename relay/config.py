@@ -216,6 +216,14 @@ def parse(data: dict[str, Any], base_dir: Path = Path()) -> Config:
     return config
 
 
+def config_sections(config: Config) -> dict[str, dict[str, Any]]:
+    """The configuration as the tables of its file (``parse`` reads them back)."""
+    return {
+        name: dataclasses.asdict(getattr(config, name))
+        for name in _SECTIONS
+    }
+
+
 def load(path: str | os.PathLike[str]) -> Config:
     p = Path(path)
     try:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import signal
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay import metrics
+from relay.config import Config, ConfigError, config_sections, parse
 from relay.drain import drain
 from relay.systemd import Notifier
 
@@ -61,6 +64,47 @@ class WorkerEnv:
 
 def admin_socket(run_dir: Path, index: int) -> Path:
     return run_dir / f"worker-{index}.sock"
+
+
+EFFECTIVE_CONFIG = "config.json"
+
+
+def save_effective_config(run_dir: Path, config: Config) -> None:
+    """What this worker runs with, for a worker its supervisor restarts (:func:`effective_config`).
+
+    That is the file as last reloaded, with the keys only a restart applies as they were at
+    start (``relay.reload.plan``), and with a TLS pair or domains a reload refused left out.
+    A restarted worker that read the file itself would take restart-only keys its siblings
+    do not run with (two route tables behind one port), or fail for as long as the file is
+    broken (found by review). Every worker writes the same; the run directory is private to
+    the supervisor's user, and the file holds nothing the configuration file does not.
+    """
+    data = json.dumps({"config": config_sections(config)})
+    tmp = run_dir / f".{EFFECTIVE_CONFIG}.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(data)
+        os.replace(tmp, run_dir / EFFECTIVE_CONFIG)
+    except OSError as exc:
+        log.warning("cannot save the running configuration for restarted workers: %s", exc)
+
+
+def effective_config(env: Mapping[str, str], config_file: str) -> Config | None:
+    """In a worker its supervisor restarted: the configuration its siblings run with (see
+    :func:`save_effective_config`), its relative paths and SIGHUP still from ``config_file``.
+    None in a single relay, and in a worker started before any sibling saved one."""
+    worker = WorkerEnv.from_env(env)
+    if worker is None:
+        return None
+    try:
+        data = json.loads((worker.run_dir / EFFECTIVE_CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{worker.run_dir / EFFECTIVE_CONFIG}: {exc}") from None
+    source = Path(config_file).resolve()
+    return dataclasses.replace(parse(data["config"], source.parent), source=source)
 
 
 def status_line(relay: Relay) -> str:
@@ -101,13 +145,20 @@ class Lifecycle:
             self._spawn(self._watchdog(self.notifier.watchdog_s))
         if self.worker is not None:
             self._spawn(self._snapshots(self.worker.metrics_dir))
+        if self.worker is not None:
+            save_effective_config(self.worker.run_dir, relay.config)
         try:
             await self.stop.wait()
         finally:
-            for sig in (signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-            await self._shutdown()
-            loop.remove_signal_handler(signal.SIGTERM)
+            # The handlers stay until the drain is over: a second SIGTERM or SIGINT cuts it
+            # short, and a SIGHUP (`systemctl reload`, a logrotate hook during a stop) is
+            # ignored. Without them SIGHUP's and SIGINT's default actions killed relay in the
+            # middle of its drain (found by review).
+            try:
+                await self._shutdown()
+            finally:
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    loop.remove_signal_handler(sig)
 
     def on_stop_signal(self) -> None:
         if self.stop.is_set():
@@ -115,9 +166,14 @@ class Lifecycle:
         self.stop.set()
 
     def on_reload_signal(self) -> None:
+        if self.stop.is_set():
+            log.info("SIGHUP ignored: relay is draining")
+            return
         self.notifier.reloading()
         try:
             self.relay.reload()
+            if self.worker is not None:
+                save_effective_config(self.worker.run_dir, self.relay.config)
         finally:
             self.notifier.ready(status_line(self.relay))
 

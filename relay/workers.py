@@ -202,9 +202,13 @@ class Supervisor:
         code = await proc.wait()
         ran_for = time.monotonic() - worker.started_at
         worker.ready = False
-        if worker.reloading or worker.reload_pending:
-            worker.reloading = worker.reload_pending = False
-            self._reloaded()  # its replacement starts with the new file
+        # A SIGHUP it had not applied: its replacement gets one once ready (it starts with
+        # what its siblings saved, which may be from before their reload). systemd is not
+        # kept waiting for a worker that is not running (_reloaded).
+        missed = worker.reloading or worker.reload_pending
+        worker.reloading = worker.reload_pending = False
+        if missed:
+            self._reloaded()
         if self.draining or self.stop.is_set():
             log.info("worker %d (pid %d) exited: %s", worker.index, proc.pid, code)
             return
@@ -220,6 +224,7 @@ class Supervisor:
         if self.draining or self.stop.is_set():
             return
         worker.restarts += 1
+        worker.reload_pending = worker.reload_pending or missed
         await self._start_worker(worker)
 
     def _signal_all(self, sig: signal.Signals) -> None:
@@ -303,6 +308,9 @@ class Supervisor:
         self.stop.set()
 
     def _on_reload_signal(self) -> None:
+        if self.draining:
+            log.info("SIGHUP ignored: relay is draining")
+            return
         log.info("reload requested: forwarding SIGHUP to the workers")
         # systemd hears of a reload only once it has heard READY=1 and until STOPPING=1: a
         # SIGHUP during start-up or a drain is applied, but not announced or waited for.
@@ -314,10 +322,10 @@ class Supervisor:
             if worker.ready:
                 worker.reloading = True
                 self._signal(worker, signal.SIGHUP)
-            elif worker.pid is not None:
+            else:
                 # A worker still starting has not installed its handler yet: SIGHUP's default
-                # action would kill it. It gets the signal once it says READY. (One waiting
-                # to be restarted reads the new file when it starts.)
+                # action would kill it. It gets the signal once it says READY; so does one
+                # waiting to be restarted, which starts with what its siblings run.
                 worker.reload_pending = True
         if not announce:
             return
@@ -330,13 +338,15 @@ class Supervisor:
     def _reloaded(self, timed_out: bool = False) -> None:
         """READY=1 to systemd once no worker is still reloading (RELOADING=1 went at SIGHUP).
 
-        A worker that dies meanwhile counts as reloaded: its replacement reads the new file.
-        (Two SIGHUPs in a row may be coalesced by a worker into one reload; the first READY=1
-        then ends the wait for both.)"""
+        A worker that is not running (it died meanwhile, or waits to be restarted) is not
+        waited for: its replacement reloads once it is ready. (Two SIGHUPs in a row may be
+        coalesced by a worker into one reload; the first READY=1 then ends the wait for both.)"""
         if self._reload_wait is None:
             return
         stopping = self.stop.is_set()  # STOPPING=1 ends the reload for systemd: no READY=1
-        busy = [w for w in self.workers if w.reloading or w.reload_pending]
+        busy = [
+            w for w in self.workers if (w.reloading or w.reload_pending) and w.pid is not None
+        ]
         if busy and not (timed_out or stopping):
             return
         self._reload_wait.cancel()

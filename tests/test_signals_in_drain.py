@@ -1,0 +1,83 @@
+"""Signals while relay drains (SPEC §7): a SIGHUP is ignored, a second SIGTERM or SIGINT cuts
+the drain short, and neither kills the process with its default action (found by review:
+the SIGHUP and SIGINT handlers were removed when the drain began)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tests.support.harness import DOMAIN, RelayProcess, relay_process, route, until
+from tests.support.rawhttp import Connection, request_bytes
+
+
+async def _streaming_upstream(events: int) -> TestServer:
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i in range(events):
+            await response.write(b"event %d\n" % i)
+            await asyncio.sleep(0.05)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+async def _exit_code(relay: RelayProcess, within: float) -> int | None:
+    proc = relay.proc
+    assert proc is not None
+    await until(lambda: proc.poll() is not None, within)
+    return proc.returncode
+
+
+async def test_a_sighup_during_the_drain_is_ignored(tmp_path: Path) -> None:
+    upstream = await _streaming_upstream(30)
+    try:
+        overrides = {"process": {"drain_timeout_s": 10}}
+        with relay_process(tmp_path, [route("sbx1", insecure=True)], overrides) as relay:
+            conn = await Connection.open(relay.port)
+            await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
+            await conn.pump(0.3)
+            assert relay.proc is not None
+            relay.proc.send_signal(signal.SIGTERM)  # the drain starts; the stream goes on
+            await asyncio.sleep(0.3)
+            relay.proc.send_signal(signal.SIGHUP)  # systemctl reload, a logrotate hook
+            streamed = await conn.read_response(5)
+            await conn.close()
+            code = await _exit_code(relay, 10)
+            out = relay.output()
+    finally:
+        await upstream.close()
+    assert streamed.body.count(b"event ") == 30, out[-2000:]
+    assert code == 0, out[-2000:]
+    assert "SIGHUP ignored: relay is draining" in out
+
+
+async def test_a_second_sigint_cuts_the_drain_short(tmp_path: Path) -> None:
+    upstream = await _streaming_upstream(200)
+    try:
+        overrides = {"process": {"drain_timeout_s": 20}}
+        with relay_process(tmp_path, [route("sbx1", insecure=True)], overrides) as relay:
+            conn = await Connection.open(relay.port)
+            await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
+            await conn.pump(0.3)
+            assert relay.proc is not None
+            relay.proc.send_signal(signal.SIGINT)  # Ctrl-C: the drain starts
+            await asyncio.sleep(0.3)
+            relay.proc.send_signal(signal.SIGINT)  # and again: cut it short
+            code = await _exit_code(relay, 5)
+            out = relay.output()
+            await conn.close()
+    finally:
+        await upstream.close()
+    assert code == 0, out[-2500:]
+    assert "Traceback" not in out, out[-2500:]
