@@ -218,10 +218,7 @@ def parse(data: dict[str, Any], base_dir: Path = Path()) -> Config:
 
 def config_sections(config: Config) -> dict[str, dict[str, Any]]:
     """The configuration as the tables of its file (``parse`` reads them back)."""
-    return {
-        name: dataclasses.asdict(getattr(config, name))
-        for name in _SECTIONS
-    }
+    return {name: dataclasses.asdict(getattr(config, name)) for name in _SECTIONS}
 
 
 def load(path: str | os.PathLike[str]) -> Config:

@@ -344,9 +344,7 @@ class Supervisor:
         if self._reload_wait is None:
             return
         stopping = self.stop.is_set()  # STOPPING=1 ends the reload for systemd: no READY=1
-        busy = [
-            w for w in self.workers if (w.reloading or w.reload_pending) and w.pid is not None
-        ]
+        busy = [w for w in self.workers if (w.reloading or w.reload_pending) and w.pid is not None]
         if busy and not (timed_out or stopping):
             return
         self._reload_wait.cancel()
