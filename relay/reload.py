@@ -197,6 +197,7 @@ def apply(relay: Relay, config: Config) -> None:
             if not relay.allowed(conn.peer):
                 conn.abort()
     if config.routes.max_stale_s != old.routes.max_stale_s:
+        relay.feed.max_stale_s = config.routes.max_stale_s  # a hung Redis: its read timeout
         relay.refresh_feed_state()  # a feed already down may be stale under the new value
 
 

@@ -99,8 +99,10 @@ def validate_input(text: str, config: Config) -> list[dict[str, Any]]:
     """The route objects of ``put``'s input, every one valid; else InvalidInput naming them all."""
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past int()'s 4,300 digits
         raise InvalidInput(f"input is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("input is not valid JSON: nested too deeply") from None
     if isinstance(doc, dict) and "routes" in doc:
         extra = sorted(set(doc) - {"routes"})
         if extra:

@@ -109,7 +109,11 @@ def parse_route_json(
     """A route JSON value stored under ``sandbox_id`` (hash field or event id)."""
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):
+        # Not only JSONDecodeError (and UnicodeDecodeError, a ValueError too): an integer of
+        # more than 4,300 digits is a plain ValueError and deep nesting a RecursionError, and
+        # either escaping here stopped the whole feed (found by review: one such value in
+        # Redis kept every relay of a fleet from loading any route).
         return RouteError(sandbox_id, "route is not valid JSON")
     parsed = parse_route(obj, allowed)
     if isinstance(parsed, RouteError):

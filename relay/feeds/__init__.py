@@ -11,7 +11,12 @@ def open_feed(sink: StreamSink, config: Config) -> Feed:
     if config.routes.source == "redis":
         from relay.feeds.redis import RedisFeed, redis_target  # noqa: PLC0415 (needs redis-py)
 
-        return RedisFeed(sink, redis_target(config), config.allowed_cidrs())
+        return RedisFeed(
+            sink,
+            redis_target(config),
+            config.allowed_cidrs(),
+            max_stale_s=config.routes.max_stale_s,
+        )
     from relay.feeds.file import FileFeed  # noqa: PLC0415
 
     return FileFeed(

@@ -43,8 +43,10 @@ def read_routes_file(path: Path) -> list[Any]:
         raise FileError(f"{path}: not UTF-8 (byte {exc.start})") from None
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past int()'s 4,300 digits
         raise FileError(f"{path}: invalid JSON: {exc}") from None
+    except RecursionError:
+        raise FileError(f"{path}: invalid JSON: nested too deeply") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("routes"), list):
         raise FileError(f'{path}: expected an object {{"routes": [...]}}')
     unknown = set(doc) - {"routes"}
@@ -87,6 +89,7 @@ class FileFeed:
         self.sink = sink
         self.path = path
         self.allowed = allowed
+        self.max_stale_s = 30.0  # unused: a file is read afresh each poll, nothing can hang
         self.poll_interval_s = poll_interval_s
         self._seen: tuple[int, int, int] | None = None
         self._last_error: str | None = None

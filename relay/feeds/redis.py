@@ -175,10 +175,12 @@ class RedisFeed:
         max_backlog: int = MAX_BACKLOG,
         backoff_base_s: float = BACKOFF_BASE_S,
         backoff_cap_s: float = BACKOFF_CAP_S,
+        max_stale_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         draw: Callable[[], float] = random.random,
     ) -> None:
         self.sink = sink
+        self.max_stale_s = max_stale_s  # routes.max_stale_s; a reload may replace it
         self.target = target
         self.allowed = allowed
         self.block_ms = block_ms
@@ -199,6 +201,7 @@ class RedisFeed:
         self._resync_requested = False
         self._last_ok: float | None = None
         self._broken = False
+        self._attempt = 0  # failures since following last worked: the backoff's exponent
 
     def load(self) -> bool:
         """SIGHUP: resync from the hash at the next wake-up (within ``block_ms``)."""
@@ -211,9 +214,15 @@ class RedisFeed:
                 "routes.redis_url holds a password; prefer routes.redis_password_file or "
                 "routes.redis_password_env, which keep it out of the configuration file"
             )
-        attempt = 0
+        self._attempt = 0
         while True:
-            client = connect(self.target, socket_timeout=self.block_ms / 1000 + 5.0)
+            # A Redis that hangs (stopped, swapping, a network black hole) is only seen when a
+            # read times out. The blocking read returns every block_ms; past that, the grace
+            # is up to 5 s but at most half of routes.max_stale_s (at least 1 s), so that a
+            # short max_stale_s holds too (found by review: with max_stale_s = 2 a hung Redis
+            # was noticed, and the cache made stale, only after ~6 s).
+            grace = min(5.0, max(1.0, self.max_stale_s / 2))
+            client = connect(self.target, socket_timeout=self.block_ms / 1000 + grace)
             try:
                 position = await self._snapshot(client)
                 _honour_cancel()
@@ -221,7 +230,6 @@ class RedisFeed:
                     self._broken = False
                     self.sink.feed_restored()
                     log.info("route feed restored from %s", self.target.server)
-                attempt = 0
                 await self._follow(client, position)
             except (RedisError, OSError) as exc:
                 _honour_cancel()  # a lost cancellation may surface as a connection error
@@ -234,10 +242,13 @@ class RedisFeed:
                 with contextlib.suppress(Exception):
                     await client.aclose()
             delay = backoff_delay(
-                attempt, base_s=self.backoff_base_s, cap_s=self.backoff_cap_s, draw=self.draw()
+                self._attempt,
+                base_s=self.backoff_base_s,
+                cap_s=self.backoff_cap_s,
+                draw=self.draw(),
             )
-            attempt += 1
-            log.warning("route feed: %s; retry %d in %.2fs", reason, attempt, delay)
+            self._attempt += 1
+            log.warning("route feed: %s; retry %d in %.2fs", reason, self._attempt, delay)
             await asyncio.sleep(delay)
 
     def _failed(self, exc: BaseException) -> str:
@@ -297,6 +308,10 @@ class RedisFeed:
             )
             _honour_cancel()
             self._ok()
+            # The backoff starts again only once following works, not after a snapshot: a
+            # fault that always strikes right after one (an ACL without XREAD) reloaded the
+            # whole table in a tight loop (found by review).
+            self._attempt = 0
             read = await self._read_to_end(client, position.last_id)
             if read is None:
                 self.gaps += 1

@@ -47,6 +47,7 @@ class Feed(Protocol):
 
     source: str
     allowed: tuple[Network, ...]  # upstream.allowed_cidrs; a reload may replace it
+    max_stale_s: float  # routes.max_stale_s, for a feed that must notice a hung source
 
     async def run(self) -> None:
         """Deliver tables to the sink until cancelled."""

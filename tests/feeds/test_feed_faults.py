@@ -1,0 +1,169 @@
+"""Faults an operator of a fleet meets (found by review): a route value that breaks the JSON
+parser itself, a Redis that hangs, and a Redis that allows the snapshot but not following.
+
+SPEC §3: a malformed route is rejected alone; the cache is stale once the feed has been broken
+for ``routes.max_stale_s``. docs/route-feed.md: reconnects back off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from relay.core.feed import parse_route_json
+from relay.core.routes import RouteError, parse_route
+from relay.feeds.file import FileFeed
+from relay.routes_cli import InvalidInput, validate_input
+from tests.feeds.helpers import (
+    CLIENT_TIMEOUT,
+    SandboxApp,
+    get,
+    load_hash,
+    redis_feed,
+    relay_config,
+    route,
+    start_relay,
+    wait_for,
+)
+from tests.feeds.redisproc import RedisProcess
+
+ALLOWED = (ipaddress.ip_network("127.0.0.0/8"),)
+# Values json.loads refuses with something other than JSONDecodeError on Python 3.11.
+BREAKERS = {
+    "deep": "[" * 100_000,  # RecursionError
+    # ValueError: an integer past int()'s 4,300 digits
+    "huge-int": '{"sandbox_id":"x","address":"127.0.0.1","insecure":true,"generation":1'
+    + "0" * 5000
+    + "}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BREAKERS))
+def test_a_value_that_breaks_the_parser_is_one_rejected_route(kind: str) -> None:
+    got = parse_route_json(BREAKERS[kind].encode(), "x", ALLOWED)
+    assert got == RouteError("x", "route is not valid JSON")
+
+
+def test_a_generation_is_a_64_bit_counter() -> None:
+    base = {"sandbox_id": "x", "address": "127.0.0.1", "insecure": True}
+    assert not isinstance(parse_route({**base, "generation": (1 << 63) - 1}, ALLOWED), RouteError)
+    refused = parse_route({**base, "generation": 1 << 63}, ALLOWED)
+    assert refused == RouteError("x", "generation must be an integer from 0 to 2^63-1")
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.tables: list[Any] = []
+        self.failures: list[str] = []
+
+    def install_routes(self, routes: Any, source: str) -> None:
+        self.tables.append(routes)
+
+    def reject_routes(self, errors: Any, source: str) -> None:
+        pass
+
+    def feed_failed(self, source: str, message: str) -> None:
+        self.failures.append(message)
+
+
+@pytest.mark.parametrize("kind", sorted(BREAKERS))
+def test_a_routes_file_that_breaks_the_parser_keeps_the_table(tmp_path: Path, kind: str) -> None:
+    """Before, the exception escaped FileFeed.load and ended the feed's task for good."""
+    path = tmp_path / "routes.json"
+    path.write_text('{"routes": [' + BREAKERS[kind] + "]}")
+    sink = _Sink()
+    FileFeed(sink, path, ALLOWED, 0.1).load()
+    assert sink.tables == []
+    assert len(sink.failures) == 1
+    assert "invalid JSON" in sink.failures[0]
+    with pytest.raises(InvalidInput, match="not valid JSON"):
+        validate_input(path.read_text(), relay_config(tmp_path, "redis://127.0.0.1:1"))
+
+
+@pytest.mark.parametrize("kind", sorted(BREAKERS))
+async def test_such_a_route_in_redis_is_rejected_alone(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess, kind: str
+) -> None:
+    """In the hash at start, and published while running (one MULTI, as a control plane does):
+    before, either stopped the feed, so no route loaded, or the whole cache went stale."""
+    await load_hash(writer, [route(f"good{i}") for i in range(5)])
+    await writer.hset("relay:routes", "x", BREAKERS[kind])
+    config = relay_config(tmp_path, redis_proc.url, max_stale_s=1)
+    relay = await start_relay(config, backoff_cap_s=0.2, block_ms=200)
+    try:
+        await wait_for(lambda: relay.feed_state.ready, 5, "the first table")
+        assert len(relay.table) == 5
+        async with writer.pipeline(transaction=True) as pipe:
+            pipe.hset("relay:routes", "y", BREAKERS[kind])
+            pipe.xadd("relay:routes:events", {"op": "put", "id": "y", "route": BREAKERS[kind]})
+            await pipe.execute()
+        await asyncio.sleep(2.0)
+        assert not relay.feed_state.stale
+        assert redis_feed(relay).failures == 0
+        assert len(relay.table) == 5
+    finally:
+        await relay.stop()
+
+
+async def test_a_hung_redis_makes_the_cache_stale_in_time(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
+) -> None:
+    """Redis stopped (SIGSTOP), max_stale_s = 2: 503 at 3.5 s into the hang. Before, the hang
+    was seen only when a read timed out after block + 5 s, so relay still served at 4.5 s."""
+    await load_hash(writer, [route("r1")])
+    config = relay_config(tmp_path, redis_proc.url, max_stale_s=2)
+    relay = await start_relay(config, backoff_cap_s=0.3)
+    app = SandboxApp()
+    await app.start()
+    assert redis_proc.proc is not None
+    try:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            await wait_for(lambda: relay.feed_state.ready, 5, "the first table")
+            port = relay.bound[0][1]
+            assert (await get(session, port, "r1", app.port))[0] == 200
+            os.kill(redis_proc.proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3.5)
+                status, body, _ = await get(session, port, "r1", app.port)
+            finally:
+                os.kill(redis_proc.proc.pid, signal.SIGCONT)
+            assert status == 503, body
+            assert "stale" in body
+            await wait_for(lambda: not relay.feed_state.stale, 10, "the feed back")
+    finally:
+        await relay.stop()
+        await app.stop()
+
+
+async def test_a_follow_that_always_fails_backs_off(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
+) -> None:
+    """An ACL that allows the snapshot but not XREAD: the whole table was reloaded every
+    ~0.1 s, as each snapshot reset the backoff; it grows now (0.05-0.1 s, then doubling)."""
+    await load_hash(writer, [route(f"s{i}") for i in range(2000)])
+    allowed = ["+auth", "+hello", "+multi", "+exec", "+hgetall", "+xinfo|stream"]
+    await writer.execute_command(  # type: ignore[no-untyped-call]
+        "ACL", "SETUSER", "relay", "on", ">pw", "resetkeys", "~relay:*", "-@all", *allowed
+    )
+    password = tmp_path / "pw"
+    password.write_text("pw\n")
+    config = relay_config(
+        tmp_path, redis_proc.url, redis_username="relay", redis_password_file=str(password)
+    )
+    relay = await start_relay(config)
+    try:
+        await wait_for(lambda: relay.feed_state.ready, 5, "the first table")
+        await asyncio.sleep(4.0)
+        feed = redis_feed(relay)
+        assert feed.failures >= 3  # it does fail, every time
+        assert feed.snapshots <= 7  # 1 + at most 6 retries whose delays add up to >= 3.15 s
+    finally:
+        await relay.stop()
