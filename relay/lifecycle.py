@@ -32,10 +32,16 @@ from relay.systemd import Notifier
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
+    from relay.tls import ReloadableContext
 
 log = logging.getLogger("relay")
 
 WORKER_ENV = "RELAY_WORKER"  # the worker's index, set by the supervisor
+# The supervisor's "cut the drain short" to its workers. Not a second SIGINT or SIGTERM: a
+# terminal's Ctrl-C reaches the whole process group, so a worker already drains on the
+# terminal's SIGINT when the supervisor's SIGTERM arrives, and took that for a second signal
+# (found by review: one Ctrl-C ended every stream at once).
+WORKER_FORCE_SIGNAL = signal.SIGUSR1
 RUN_DIR_ENV = "RELAY_RUN_DIR"  # the supervisor's private directory
 SNAPSHOT_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 1.0
@@ -67,27 +73,49 @@ def admin_socket(run_dir: Path, index: int) -> Path:
 
 
 EFFECTIVE_CONFIG = "config.json"
+TLS_PAIR = ("tls-cert.pem", "tls-key.pem")
 
 
-def save_effective_config(run_dir: Path, config: Config) -> None:
+def save_effective_config(run_dir: Path, config: Config, tls: ReloadableContext | None) -> None:
     """What this worker runs with, for a worker its supervisor restarts (:func:`effective_config`).
 
     That is the file as last reloaded, with the keys only a restart applies as they were at
     start (``relay.reload.plan``), and with a TLS pair or domains a reload refused left out.
     A restarted worker that read the file itself would take restart-only keys its siblings
     do not run with (two route tables behind one port), or fail for as long as the file is
-    broken (found by review). Every worker writes the same; the run directory is private to
-    the supervisor's user, and the file holds nothing the configuration file does not.
+    broken (found by review). The TLS pair is saved as the bytes it was loaded from: its files
+    may since have been rewritten in place with a pair the reload refused. Every worker
+    writes the same; the run directory is private to the supervisor's user (0700, files
+    0600), and holds nothing the configuration and key files do not.
     """
-    data = json.dumps({"config": config_sections(config)})
-    tmp = run_dir / f".{EFFECTIVE_CONFIG}.{os.getpid()}"
+    try:
+        if tls is not None:
+            cert, key = (run_dir / name for name in TLS_PAIR)
+            _write_private(cert, tls.pem[0])
+            _write_private(key, tls.pem[1])
+            listen = dataclasses.replace(config.listen, tls_cert=str(cert), tls_key=str(key))
+            config = dataclasses.replace(config, listen=listen)
+        _write_private(run_dir / EFFECTIVE_CONFIG, json.dumps({"config": config_sections(config)}))
+    except OSError as exc:
+        # An older save must not outlive this reload (a restarted worker would run settings
+        # its siblings dropped, access controls among them): without one it reads the file.
+        with contextlib.suppress(OSError):
+            (run_dir / EFFECTIVE_CONFIG).unlink()
+        log.warning("cannot save the running configuration for restarted workers: %s", exc)
+
+
+def _write_private(path: Path, data: str | bytes) -> None:
+    """Atomically, readable by this user only; a failed write leaves no temporary file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(data)
-        os.replace(tmp, run_dir / EFFECTIVE_CONFIG)
-    except OSError as exc:
-        log.warning("cannot save the running configuration for restarted workers: %s", exc)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def effective_config(env: Mapping[str, str], config_file: str) -> Config | None:
@@ -140,13 +168,15 @@ class Lifecycle:
         loop.add_signal_handler(signal.SIGTERM, self.on_stop_signal)
         loop.add_signal_handler(signal.SIGINT, self.on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self.on_reload_signal)
+        if self.worker is not None:
+            loop.add_signal_handler(WORKER_FORCE_SIGNAL, self.on_force_signal)
         self._spawn(self._announce())
         if self.notifier.watchdog_s:
             self._spawn(self._watchdog(self.notifier.watchdog_s))
         if self.worker is not None:
             self._spawn(self._snapshots(self.worker.metrics_dir))
         if self.worker is not None:
-            save_effective_config(self.worker.run_dir, relay.config)
+            save_effective_config(self.worker.run_dir, relay.config, relay.tls)
         try:
             await self.stop.wait()
         finally:
@@ -157,12 +187,17 @@ class Lifecycle:
             try:
                 await self._shutdown()
             finally:
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, WORKER_FORCE_SIGNAL):
                     loop.remove_signal_handler(sig)
 
     def on_stop_signal(self) -> None:
-        if self.stop.is_set():
-            self.force.set()  # a second signal: cut the drain short
+        # A second signal cuts the drain short; in a worker only the supervisor's says so.
+        if self.stop.is_set() and self.worker is None:
+            self.force.set()
+        self.stop.set()
+
+    def on_force_signal(self) -> None:
+        self.force.set()
         self.stop.set()
 
     def on_reload_signal(self) -> None:
@@ -173,7 +208,7 @@ class Lifecycle:
         try:
             self.relay.reload()
             if self.worker is not None:
-                save_effective_config(self.worker.run_dir, self.relay.config)
+                save_effective_config(self.worker.run_dir, self.relay.config, self.relay.tls)
         finally:
             self.notifier.ready(status_line(self.relay))
 

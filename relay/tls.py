@@ -37,8 +37,12 @@ class ReloadableContext:
     def __init__(self, cert_file: str, key_file: str, domains: Sequence[str] = ()) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
+        pem = _read_pair(cert_file, key_file)
         self.info: CertInfo = check_files(Path(cert_file), Path(key_file), domains)
         self.current = server_context(cert_file, key_file)
+        # The files' bytes as they were loaded, for a worker that its supervisor restarts
+        # (relay.lifecycle.save_effective_config): the pair may be rewritten in place later.
+        self.pem = pem
         self.listener = server_context(cert_file, key_file)
         self.listener.sni_callback = self._select
 
@@ -58,7 +62,12 @@ class ReloadableContext:
         """
         cert_file = cert_file or self.cert_file
         key_file = key_file or self.key_file
+        pem = _read_pair(cert_file, key_file)
         info = check_files(Path(cert_file), Path(key_file), domains)
         self.current = server_context(cert_file, key_file)
-        self.cert_file, self.key_file, self.info = cert_file, key_file, info
+        self.cert_file, self.key_file, self.info, self.pem = cert_file, key_file, info, pem
         return info
+
+
+def _read_pair(cert_file: str, key_file: str) -> tuple[bytes, bytes]:
+    return Path(cert_file).read_bytes(), Path(key_file).read_bytes()

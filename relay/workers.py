@@ -46,6 +46,7 @@ from aiohttp import web
 
 from relay import admin
 from relay.config import Config, load, split_address
+from relay.lifecycle import WORKER_FORCE_SIGNAL
 from relay.startup import binding
 from relay.supervision import (
     next_failures,
@@ -148,6 +149,9 @@ class Supervisor:
         self.notifier.stopping("draining workers")
         self._signal_all(signal.SIGTERM)
         deadline = self.config.process.drain_timeout_s + KILL_GRACE_S
+        for worker in self.workers:
+            if worker.pid is None and worker.waiter is not None:
+                worker.waiter.cancel()  # waiting to be restarted: nothing to drain
         waiters = [w.waiter for w in self.workers if w.waiter is not None]
         if waiters:
             _, pending = await asyncio.wait(waiters, timeout=deadline)
@@ -303,7 +307,9 @@ class Supervisor:
     # -- signals ----------------------------------------------------------------------------
     def _on_stop_signal(self, sig: signal.Signals) -> None:
         if self.stop.is_set():
-            self._signal_all(sig)  # a second signal: the workers cut their drains short
+            # A second signal: the workers cut their drains short (their own second SIGINT
+            # may be the terminal's, see WORKER_FORCE_SIGNAL).
+            self._signal_all(WORKER_FORCE_SIGNAL)
         self.draining = True
         self.stop.set()
 
@@ -313,7 +319,8 @@ class Supervisor:
             return
         log.info("reload requested: forwarding SIGHUP to the workers")
         # systemd hears of a reload only once it has heard READY=1 and until STOPPING=1: a
-        # SIGHUP during start-up or a drain is applied, but not announced or waited for.
+        # SIGHUP during start-up is applied, but not announced or waited for (one during a
+        # drain is ignored, above).
         announce = self.all_ready.is_set() and not self.stop.is_set()
         if announce:
             self.notifier.reloading()

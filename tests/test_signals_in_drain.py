@@ -5,6 +5,8 @@ the SIGHUP and SIGINT handlers were removed when the drain began)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.support.harness import DOMAIN, RelayProcess, relay_process, route, until
+from tests.support.ops import get
 from tests.support.rawhttp import Connection, request_bytes
 
 
@@ -81,3 +84,31 @@ async def test_a_second_sigint_cuts_the_drain_short(tmp_path: Path) -> None:
         await upstream.close()
     assert code == 0, out[-2500:]
     assert "Traceback" not in out, out[-2500:]
+
+
+async def test_one_ctrl_c_to_a_supervisor_and_its_workers_drains(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the whole process group: each worker drains on its own
+    SIGINT, and the supervisor's SIGTERM that follows is not a second signal (before, it cut
+    every stream at once). A second Ctrl-C reaches the workers as WORKER_FORCE_SIGNAL."""
+    upstream = await _streaming_upstream(30)
+    overrides = {"process": {"workers": 2, "drain_timeout_s": 10}}
+    relay = RelayProcess(tmp_path, [route("sbx1", insecure=True)], overrides)
+    relay.start(timeout=20)
+    try:
+        _, body = await get(relay.admin_port, "/readyz")
+        pids = [worker["pid"] for worker in json.loads(body)["workers"]]
+        conn = await Connection.open(relay.port)
+        await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
+        await conn.pump(0.3)
+        assert relay.proc is not None
+        for pid in [relay.proc.pid, *pids]:
+            os.kill(pid, signal.SIGINT)
+        streamed = await conn.read_response(8)
+        await conn.close()
+        code = await _exit_code(relay, 15)
+    finally:
+        relay.stop()
+        await upstream.close()
+    out = relay.output()
+    assert streamed.body.count(b"event ") == 30, out[-2500:]
+    assert code == 0, out[-2500:]

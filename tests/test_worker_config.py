@@ -17,7 +17,8 @@ from aiohttp.test_utils import TestServer
 from relay.config import load
 from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, effective_config, save_effective_config
 from relay.reload import plan
-from tests.support.harness import DOMAIN, RelayProcess, route, write_routes
+from tests.support.certs import issue
+from tests.support.harness import DOMAIN, RelayProcess, route, tls_listener, write_routes
 from tests.support.ops import get, value
 from tests.support.rawhttp import request
 
@@ -34,7 +35,7 @@ def test_the_saved_configuration_reads_back_with_the_files_paths(tmp_path: Path)
     running = plan(started, load(config_file)).config  # after a SIGHUP
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    save_effective_config(run_dir, running)
+    save_effective_config(run_dir, running, None)
     assert (run_dir / "config.json").stat().st_mode & 0o777 == 0o600
     env = {WORKER_ENV: "1", RUN_DIR_ENV: str(run_dir)}
     config_file.write_text("not = = toml")  # broken since
@@ -47,6 +48,21 @@ def test_the_saved_configuration_reads_back_with_the_files_paths(tmp_path: Path)
     assert restarted.source == config_file.resolve()  # the next SIGHUP reads the file
     assert effective_config({}, str(config_file)) is None  # a single relay reads the file
     assert effective_config({**env, RUN_DIR_ENV: str(tmp_path)}, str(config_file)) is None
+
+
+def test_a_save_that_fails_leaves_no_older_one_behind(tmp_path: Path) -> None:
+    """A restarted worker would otherwise run settings its siblings dropped at the reload
+    whose save failed (access controls among them): it reads the file instead."""
+    config_file = tmp_path / "relay.toml"
+    config_file.write_text("[upstream]\ndenied_ports = [1]\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_effective_config(run_dir, load(config_file), None)
+    env = {WORKER_ENV: "0", RUN_DIR_ENV: str(run_dir)}
+    assert effective_config(env, str(config_file)) is not None
+    (run_dir / f".config.json.{os.getpid()}").mkdir()  # the next write fails, as on ENOSPC
+    save_effective_config(run_dir, load(config_file), None)
+    assert effective_config(env, str(config_file)) is None
 
 
 async def _upstream() -> TestServer:
@@ -116,6 +132,37 @@ async def test_a_worker_restarted_after_a_refused_reload_comes_back(tmp_path: Pa
         assert pids
         os.kill(pids[0], signal.SIGKILL)
         back = await _ready_pids(relay, 6, exclude=pids[0])
+    finally:
+        relay.stop()
+    assert back, relay.output()[-3000:]
+
+
+def _half_written_renewal(directory: Path, cert_file: Path) -> None:
+    directory.mkdir()
+    cert_file.write_bytes(issue(directory, [f"*.{DOMAIN}"]).cert_file.read_bytes())
+
+
+async def test_a_worker_restarted_after_a_refused_tls_pair_serves_the_running_one(
+    tmp_path: Path,
+) -> None:
+    """A renewal half written (the new certificate over the old one, not yet its key) is
+    refused by the reload, and the workers keep serving the pair they loaded; a worker that
+    dies then starts with those bytes (saved in the run directory), not the files."""
+    overrides, _ = tls_listener(tmp_path)
+    overrides["process"] = {"workers": 2}
+    relay = RelayProcess(tmp_path, [route("sbxa", insecure=True)], overrides)
+    relay.start(timeout=20)
+    try:
+        _half_written_renewal(tmp_path / "other", Path(overrides["listen"]["tls_cert"]))
+        assert relay.proc is not None
+        relay.proc.send_signal(signal.SIGHUP)
+        await asyncio.sleep(1.5)
+        text = (await get(relay.admin_port, "/metrics"))[1].decode()
+        assert value(text, "relay_tls_reloads_total", result="error") == 2
+        pids = await _ready_pids(relay, 15)
+        assert pids
+        os.kill(pids[0], signal.SIGKILL)
+        back = await _ready_pids(relay, 8, exclude=pids[0])
     finally:
         relay.stop()
     assert back, relay.output()[-3000:]
