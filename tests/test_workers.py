@@ -457,3 +457,22 @@ async def test_a_worker_waiting_to_restart_is_not_waited_for(
     supervisor._on_reload_signal()
     supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
     assert notes == ["RELOADING", "READY"]
+
+
+async def test_a_stop_does_not_wait_for_a_worker_in_its_restart_backoff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: its waiter sleeps up to 10 s before the restart; a stop has nothing
+    of it to drain, so it is cancelled, not waited for."""
+    notes: list[str] = []
+    supervisor = _supervisor(tmp_path, monkeypatch, notes)
+    for worker in supervisor.workers:
+        worker.waiter = supervisor._spawn(asyncio.sleep(10))
+    supervisor.workers[1].proc = None  # died: sleeping in its backoff
+    running = supervisor.workers[0].waiter
+    assert running is not None
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.1, running.cancel)  # worker 0 exits once signalled
+    started = time.monotonic()
+    await supervisor._shutdown()
+    assert time.monotonic() - started < 2.0
