@@ -35,6 +35,14 @@ async def _streaming_upstream(events: int) -> TestServer:
     return server
 
 
+async def _streaming(relay: RelayProcess, upstream: TestServer) -> Connection:
+    """A client connection with the upstream's stream under way through ``relay``."""
+    conn = await Connection.open(relay.port)
+    await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
+    await conn.pump(0.3)
+    return conn
+
+
 async def _exit_code(relay: RelayProcess, within: float) -> int | None:
     proc = relay.proc
     assert proc is not None
@@ -47,9 +55,7 @@ async def test_a_sighup_during_the_drain_is_ignored(tmp_path: Path) -> None:
     try:
         overrides = {"process": {"drain_timeout_s": 10}}
         with relay_process(tmp_path, [route("sbx1", insecure=True)], overrides) as relay:
-            conn = await Connection.open(relay.port)
-            await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
-            await conn.pump(0.3)
+            conn = await _streaming(relay, upstream)
             assert relay.proc is not None
             relay.proc.send_signal(signal.SIGTERM)  # the drain starts; the stream goes on
             await asyncio.sleep(0.3)
@@ -70,9 +76,7 @@ async def test_a_second_sigint_cuts_the_drain_short(tmp_path: Path) -> None:
     try:
         overrides = {"process": {"drain_timeout_s": 20}}
         with relay_process(tmp_path, [route("sbx1", insecure=True)], overrides) as relay:
-            conn = await Connection.open(relay.port)
-            await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
-            await conn.pump(0.3)
+            conn = await _streaming(relay, upstream)
             assert relay.proc is not None
             relay.proc.send_signal(signal.SIGINT)  # Ctrl-C: the drain starts
             await asyncio.sleep(0.3)
@@ -97,9 +101,7 @@ async def test_one_ctrl_c_to_a_supervisor_and_its_workers_drains(tmp_path: Path)
     try:
         _, body = await get(relay.admin_port, "/readyz")
         pids = [worker["pid"] for worker in json.loads(body)["workers"]]
-        conn = await Connection.open(relay.port)
-        await conn.send(request_bytes("GET", "/stream", f"{upstream.port}-sbx1.{DOMAIN}"))
-        await conn.pump(0.3)
+        conn = await _streaming(relay, upstream)
         assert relay.proc is not None
         for pid in [relay.proc.pid, *pids]:
             os.kill(pid, signal.SIGINT)

@@ -29,13 +29,16 @@ from relay.supervision import (
     worker_env,
 )
 from relay.workers import Supervisor
+from tests.support.certs import issue
 from tests.support.harness import (
     DOMAIN,
     RelayProcess,
     config_data,
     route,
     serve_until_exit,
+    tls_listener,
     to_toml,
+    write_routes,
 )
 from tests.support.ops import get, value
 from tests.support.ports import free_port
@@ -476,3 +479,90 @@ async def test_a_stop_does_not_wait_for_a_worker_in_its_restart_backoff(
     started = time.monotonic()
     await supervisor._shutdown()
     assert time.monotonic() - started < 2.0
+
+
+# -- a restarted worker runs what its siblings run (relay.lifecycle.save_effective_config) ----
+async def _ready_pids(relay: RelayProcess, within: float, exclude: int = 0) -> list[int] | None:
+    deadline = time.monotonic() + within
+    while True:
+        status, body = await get(relay.admin_port, "/readyz")
+        pids = [w["pid"] for w in json.loads(body)["workers"]]
+        if status == 200 and None not in pids and exclude not in pids:
+            return pids
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.1)
+
+
+async def _reload_then_restart_one(relay: RelayProcess, refused: str = "") -> bool:
+    """SIGHUP (``refused``: the reload counter each worker must count as an error), then
+    SIGKILL one worker: whether its replacement became ready."""
+    assert relay.proc is not None
+    relay.proc.send_signal(signal.SIGHUP)
+    await asyncio.sleep(1.5)
+    if refused:
+        text = await _metrics(relay)
+        assert value(text, refused, result="error") == 2  # one per worker
+    pids = await _ready_pids(relay, 15)
+    assert pids
+    os.kill(pids[0], signal.SIGKILL)
+    return await _ready_pids(relay, 8, exclude=pids[0]) is not None
+
+
+async def test_a_restarted_worker_keeps_the_running_routes_file(
+    tmp_path: Path, upstream: TestServer
+) -> None:
+    """routes.file is restart-only: after a SIGHUP every worker keeps serving the old file,
+    the restarted one too (found by review: it read the new file, and half the requests got
+    502)."""
+    relay = RelayProcess(tmp_path, [route("sbxa", insecure=True)], {"process": {"workers": 2}})
+    relay.start(timeout=20)
+    try:
+        write_routes(tmp_path / "other.json", [route("sbxb", insecure=True)])
+        config_file = tmp_path / "relay.toml"
+        text = config_file.read_text()
+        config_file.write_text(text.replace(str(tmp_path / "routes.json"), "other.json"))
+        assert await _reload_then_restart_one(relay), relay.output()[-3000:]
+        host = f"{upstream.port}-sbxa.{DOMAIN}"
+        statuses = {(await request(relay.port, "GET", "/", host)).status for _ in range(40)}
+    finally:
+        relay.stop()
+    assert statuses == {200}, relay.output()[-2000:]
+
+
+async def test_a_worker_restarted_after_a_refused_reload_comes_back(tmp_path: Path) -> None:
+    """The file broke and the reload was refused (both workers keep running, counted); a
+    worker that dies then starts with the running configuration instead of failing on the
+    file until someone mends it (found by review)."""
+    relay = RelayProcess(tmp_path, [route("sbxa", insecure=True)], {"process": {"workers": 2}})
+    relay.start(timeout=20)
+    try:
+        config_file = tmp_path / "relay.toml"
+        config_file.write_text(config_file.read_text() + "\nbogus_key = 1\n")
+        back = await _reload_then_restart_one(relay, "relay_reloads_total")
+    finally:
+        relay.stop()
+    assert back, relay.output()[-3000:]
+
+
+def _half_written_renewal(directory: Path, cert_file: Path) -> None:
+    directory.mkdir()
+    cert_file.write_bytes(issue(directory, [f"*.{DOMAIN}"]).cert_file.read_bytes())
+
+
+async def test_a_worker_restarted_after_a_refused_tls_pair_serves_the_running_one(
+    tmp_path: Path,
+) -> None:
+    """A renewal half written (the new certificate over the old one, not yet its key) is
+    refused by the reload, and the workers keep serving the pair they loaded; a worker that
+    dies then starts with those bytes (saved in the run directory), not the files."""
+    overrides, _ = tls_listener(tmp_path)
+    overrides["process"] = {"workers": 2}
+    relay = RelayProcess(tmp_path, [route("sbxa", insecure=True)], overrides)
+    relay.start(timeout=20)
+    try:
+        _half_written_renewal(tmp_path / "other", Path(overrides["listen"]["tls_cert"]))
+        back = await _reload_then_restart_one(relay, "relay_tls_reloads_total")
+    finally:
+        relay.stop()
+    assert back, relay.output()[-3000:]
