@@ -114,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
     from relay.lifecycle import effective_config  # noqa: PLC0415
 
     # A worker its supervisor restarted runs what its siblings run, not the file as it is now.
-    config = effective_config(os.environ, args.config) or load(args.config)
+    saved = effective_config(os.environ, args.config)
+    config = saved.config if saved is not None else load(args.config)
     _setup_logging(args.log_level)
     # Imported here so that check-config and sign-url start without the server stack.
     import uvloop  # noqa: PLC0415
@@ -130,7 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         if supervises(config):  # process.workers > 1 (relay.workers)
             return workers.supervise(config, args.log_level)
-        uvloop.run(serve(config))
+        uvloop.run(serve(config, saved.tls_files if saved is not None else None))
     except StartupError as exc:
         sys.stderr.write(f"relay: cannot start: {exc}\n")  # one write: see main()
         return 1

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -26,13 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay import metrics
-from relay.config import Config, ConfigError, config_sections, parse
 from relay.drain import drain
 from relay.systemd import Notifier
+from relay.worker_config import Saved, load_saved, save
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
-    from relay.tls import ReloadableContext
 
 log = logging.getLogger("relay")
 
@@ -72,67 +69,15 @@ def admin_socket(run_dir: Path, index: int) -> Path:
     return run_dir / f"worker-{index}.sock"
 
 
-EFFECTIVE_CONFIG = "config.json"
-TLS_PAIR = ("tls-cert.pem", "tls-key.pem")
-
-
-def save_effective_config(run_dir: Path, config: Config, tls: ReloadableContext | None) -> None:
-    """What this worker runs with, for a worker its supervisor restarts (:func:`effective_config`).
-
-    That is the file as last reloaded, with the keys only a restart applies as they were at
-    start (``relay.reload.plan``), and with a TLS pair or domains a reload refused left out.
-    A restarted worker that read the file itself would take restart-only keys its siblings
-    do not run with (two route tables behind one port), or fail for as long as the file is
-    broken (found by review). The TLS pair is saved as the bytes it was loaded from: its files
-    may since have been rewritten in place with a pair the reload refused. Every worker
-    writes the same; the run directory is private to the supervisor's user (0700, files
-    0600), and holds nothing the configuration and key files do not.
-    """
-    try:
-        if tls is not None:
-            cert, key = (run_dir / name for name in TLS_PAIR)
-            _write_private(cert, tls.pem[0])
-            _write_private(key, tls.pem[1])
-            listen = dataclasses.replace(config.listen, tls_cert=str(cert), tls_key=str(key))
-            config = dataclasses.replace(config, listen=listen)
-        _write_private(run_dir / EFFECTIVE_CONFIG, json.dumps({"config": config_sections(config)}))
-    except OSError as exc:
-        # An older save must not outlive this reload (a restarted worker would run settings
-        # its siblings dropped, access controls among them): without one it reads the file.
-        with contextlib.suppress(OSError):
-            (run_dir / EFFECTIVE_CONFIG).unlink()
-        log.warning("cannot save the running configuration for restarted workers: %s", exc)
-
-
-def _write_private(path: Path, data: str | bytes) -> None:
-    """Atomically, readable by this user only; a failed write leaves no temporary file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def effective_config(env: Mapping[str, str], config_file: str) -> Config | None:
-    """In a worker its supervisor restarted: the configuration its siblings run with (see
-    :func:`save_effective_config`), its relative paths and SIGHUP still from ``config_file``.
-    None in a single relay, and in a worker started before any sibling saved one."""
+def effective_config(env: Mapping[str, str], config_file: str) -> Saved | None:
+    """In a worker its supervisor restarted: what its siblings run (``relay.worker_config``).
+    None in a single relay, and in a worker started before any sibling saved."""
     worker = WorkerEnv.from_env(env)
-    if worker is None:
-        return None
-    try:
-        data = json.loads((worker.run_dir / EFFECTIVE_CONFIG).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{worker.run_dir / EFFECTIVE_CONFIG}: {exc}") from None
-    source = Path(config_file).resolve()
-    return dataclasses.replace(parse(data["config"], source.parent), source=source)
+    return None if worker is None else load_saved(worker.run_dir, config_file)
+
+
+def _save(run_dir: Path, relay: Relay) -> None:
+    save(run_dir, relay.config, relay.tls.pem if relay.tls is not None else None)
 
 
 def status_line(relay: Relay) -> str:
@@ -176,7 +121,7 @@ class Lifecycle:
         if self.worker is not None:
             self._spawn(self._snapshots(self.worker.metrics_dir))
         if self.worker is not None:
-            save_effective_config(self.worker.run_dir, relay.config, relay.tls)
+            _save(self.worker.run_dir, relay)
         try:
             await self.stop.wait()
         finally:
@@ -208,7 +153,7 @@ class Lifecycle:
         try:
             self.relay.reload()
             if self.worker is not None:
-                save_effective_config(self.worker.run_dir, self.relay.config, self.relay.tls)
+                _save(self.worker.run_dir, self.relay)
         finally:
             self.notifier.ready(status_line(self.relay))
 

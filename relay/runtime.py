@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -81,6 +82,7 @@ class Inflight(Mapping[str, int]):
 class Relay:
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.initial_tls: tuple[Path, Path] | None = None  # see serve()
         self._decisions = DecisionMemory()
         self._settings = config.settings()
         self.allowed_cidrs = config.allowed_cidrs()
@@ -310,11 +312,17 @@ class Relay:
         # Checked over netlink: a wrong source address stops relay here (relay.netlink).
         self.pool.source_address = await netlink.resolve_source_async(self.config.upstream)
         if listen.tls_cert:
-            self.tls = ReloadableContext(
-                str(self.config.path(listen.tls_cert)),
-                str(self.config.path(listen.tls_key)),
-                self.config.routing.domains,  # checked by relay.tlscheck
-            )
+            initial, self.initial_tls = self.initial_tls, None
+            try:
+                self.tls = ReloadableContext(
+                    str(self.config.path(listen.tls_cert)),
+                    str(self.config.path(listen.tls_key)),
+                    self.config.routing.domains,  # checked by relay.tlscheck
+                    load_from=initial,
+                )
+            finally:
+                for path in initial or ():
+                    path.unlink(missing_ok=True)
         # On a TLS listener the handshake runs after admission, from the protocol (relay.handshake).
         factory: Callable[[], asyncio.Protocol] = (
             (lambda: TlsAccept(self)) if self.tls else (lambda: ClientConnection(self, tls=False))
@@ -429,8 +437,12 @@ def _sandbox_of(item: Live) -> str | None:
     return None
 
 
-async def serve(config: Config) -> None:
-    """Run until SIGTERM or SIGINT, then drain; SIGHUP reloads (``relay.lifecycle``)."""
+async def serve(config: Config, tls_files: tuple[Path, Path] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain; SIGHUP reloads (``relay.lifecycle``).
+    ``tls_files``: a restarted worker's copy of the pair its siblings serve, loaded instead
+    of the configured files and then deleted (``relay.worker_config``)."""
     from relay.lifecycle import Lifecycle  # noqa: PLC0415 - lifecycle builds on this module
 
-    await Lifecycle(Relay(config)).run()
+    relay = Relay(config)
+    relay.initial_tls = tls_files
+    await Lifecycle(relay).run()

@@ -34,16 +34,26 @@ class ReloadableContext:
     routing domain's wildcard) before it is used, at start and on reload.
     """
 
-    def __init__(self, cert_file: str, key_file: str, domains: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        cert_file: str,
+        key_file: str,
+        domains: Sequence[str] = (),
+        *,
+        load_from: tuple[Path, Path] | None = None,
+    ) -> None:
+        """``load_from``: where to read the pair this time (a restarted worker's copy of the
+        pair its siblings serve); reloads read ``cert_file`` and ``key_file``."""
         self.cert_file = cert_file
         self.key_file = key_file
-        pem = _read_pair(cert_file, key_file)
-        self.info: CertInfo = check_files(Path(cert_file), Path(key_file), domains)
-        self.current = server_context(cert_file, key_file)
+        cert, key = (str(p) for p in load_from) if load_from else (cert_file, key_file)
+        pem = _read_pair(cert, key)
+        self.info: CertInfo = check_files(Path(cert), Path(key), domains)
+        self.current = server_context(cert, key)
         # The files' bytes as they were loaded, for a worker that its supervisor restarts
         # (relay.lifecycle.save_effective_config): the pair may be rewritten in place later.
         self.pem = pem
-        self.listener = server_context(cert_file, key_file)
+        self.listener = server_context(cert, key)
         self.listener.sni_callback = self._select
 
     def _select(self, sslobj: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:

@@ -1,7 +1,7 @@
 """A worker its supervisor restarts runs what its siblings run, not the file as it is now
-(relay.lifecycle.save_effective_config; found by review): restart-only keys keep their
-running value, and a file broken since the last good reload does not keep it from starting.
-The same with real supervisors and workers: tests/test_workers.py."""
+(relay.worker_config; found by review): restart-only keys keep their running value, a file
+broken since the last good reload does not keep it from starting, and it serves the TLS pair
+its siblings serve. The same with real supervisors and workers: tests/test_workers.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 
 from relay.config import load
-from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, effective_config, save_effective_config
+from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, effective_config
 from relay.reload import plan
+from relay.worker_config import save
 
 
 def test_the_saved_configuration_reads_back_with_the_files_paths(tmp_path: Path) -> None:
@@ -25,19 +26,43 @@ def test_the_saved_configuration_reads_back_with_the_files_paths(tmp_path: Path)
     running = plan(started, load(config_file)).config  # after a SIGHUP
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    save_effective_config(run_dir, running, None)
+    save(run_dir, running, None)
     assert (run_dir / "config.json").stat().st_mode & 0o777 == 0o600
     env = {WORKER_ENV: "1", RUN_DIR_ENV: str(run_dir)}
     config_file.write_text("not = = toml")  # broken since
     restarted = effective_config(env, str(config_file))
-    assert restarted == running
     assert restarted is not None
-    assert restarted.routes.file == "routes.json"  # restart-only: as at start
-    assert restarted.routes.max_stale_s == 9.0  # reloadable: as last reloaded
-    assert restarted.path(restarted.routes.file) == config_file.parent / "routes.json"
-    assert restarted.source == config_file.resolve()  # the next SIGHUP reads the file
+    assert restarted.config == running
+    assert restarted.tls_files is None
+    assert restarted.config.routes.file == "routes.json"  # restart-only: as at start
+    assert restarted.config.routes.max_stale_s == 9.0  # reloadable: as last reloaded
+    assert restarted.config.path("routes.json") == config_file.parent / "routes.json"
+    assert restarted.config.source == config_file.resolve()  # the next SIGHUP reads the file
     assert effective_config({}, str(config_file)) is None  # a single relay reads the file
     assert effective_config({**env, RUN_DIR_ENV: str(tmp_path)}, str(config_file)) is None
+
+
+def test_the_tls_pair_is_saved_with_the_configuration(tmp_path: Path) -> None:
+    """In the same file, so that a certificate and a key always come from one save (found by
+    review: saved as two files, two workers' saves could leave one's certificate beside the
+    other's key); the restarted worker gets copies of its own, and keeps the configured
+    paths for its reloads."""
+    config_file = tmp_path / "relay.toml"
+    config_file.write_text('[listen]\ntls_cert = "c.pem"\ntls_key = "k.pem"\n')
+    (tmp_path / "c.pem").write_text("cert")
+    (tmp_path / "k.pem").write_text("key")
+    config = load(config_file)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save(run_dir, config, (b"served cert", b"served key"))
+    restarted = effective_config({WORKER_ENV: "0", RUN_DIR_ENV: str(run_dir)}, str(config_file))
+    assert restarted is not None
+    assert restarted.config.listen.tls_cert == "c.pem"
+    assert restarted.tls_files is not None
+    cert, key = restarted.tls_files
+    assert (cert.read_bytes(), key.read_bytes()) == (b"served cert", b"served key")
+    assert cert.stat().st_mode & 0o777 == key.stat().st_mode & 0o777 == 0o600
+    assert str(os.getpid()) in cert.name
 
 
 def test_a_save_that_fails_leaves_no_older_one_behind(tmp_path: Path) -> None:
@@ -47,9 +72,9 @@ def test_a_save_that_fails_leaves_no_older_one_behind(tmp_path: Path) -> None:
     config_file.write_text("[upstream]\ndenied_ports = [1]\n")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    save_effective_config(run_dir, load(config_file), None)
+    save(run_dir, load(config_file), None)
     env = {WORKER_ENV: "0", RUN_DIR_ENV: str(run_dir)}
     assert effective_config(env, str(config_file)) is not None
     (run_dir / f".config.json.{os.getpid()}").mkdir()  # the next write fails, as on ENOSPC
-    save_effective_config(run_dir, load(config_file), None)
+    save(run_dir, load(config_file), None)
     assert effective_config(env, str(config_file)) is None

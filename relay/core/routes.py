@@ -32,7 +32,7 @@ _FIELDS = frozenset(
     }
 )
 _TOKEN = re.compile(r"[\x21-\x7e]{1,512}")  # printable ASCII, no space (SPEC §3)
-MAX_GENERATION = 1 << 63
+MAX_GENERATION = 1 << 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +83,11 @@ def parse_route(obj: object, allowed: tuple[Network, ...]) -> Route | RouteError
             return bad(f"{name} must be 1-512 printable ASCII characters")
     traffic_token = obj.get("traffic_token")
     generation = obj.get("generation", 0)
-    # SPEC §3 bounds it below only; relay bounds it to a signed 64-bit counter (what a Go or
-    # SQL control plane holds), so that a hostile value of thousands of digits is refused
-    # rather than hashed into every pool key and printed in /routes (found by review).
+    # SPEC §3 bounds it below only; relay bounds it to an unsigned 64-bit counter (anything a
+    # Go, Rust or SQL control plane holds), so that a hostile value of thousands of digits is
+    # refused rather than hashed into every pool key and printed in /routes (found by review).
     if not _is_int(generation) or not 0 <= generation < MAX_GENERATION:
-        return bad("generation must be an integer from 0 to 2^63-1")
+        return bad("generation must be an integer from 0 to 2^64-1")
     max_connections = obj.get("max_connections", 0)
     if not _is_int(max_connections) or max_connections < 0:
         return bad("max_connections must be an integer >= 0")

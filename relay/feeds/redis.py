@@ -202,6 +202,7 @@ class RedisFeed:
         self._last_ok: float | None = None
         self._broken = False
         self._attempt = 0  # failures since following last worked: the backoff's exponent
+        self._grace_s = 0.0  # the hang grace of the current connection (_hang_grace)
 
     def load(self) -> bool:
         """SIGHUP: resync from the hash at the next wake-up (within ``block_ms``)."""
@@ -216,13 +217,8 @@ class RedisFeed:
             )
         self._attempt = 0
         while True:
-            # A Redis that hangs (stopped, swapping, a network black hole) is only seen when a
-            # read times out. The blocking read returns every block_ms; past that, the grace
-            # is up to 5 s but at most half of routes.max_stale_s (at least 1 s), so that a
-            # short max_stale_s holds too (found by review: with max_stale_s = 2 a hung Redis
-            # was noticed, and the cache made stale, only after ~6 s).
-            grace = min(5.0, max(1.0, self.max_stale_s / 2))
-            client = connect(self.target, socket_timeout=self.block_ms / 1000 + grace)
+            self._grace_s = self._hang_grace()
+            client = connect(self.target, socket_timeout=self.block_ms / 1000 + self._grace_s)
             try:
                 position = await self._snapshot(client)
                 _honour_cancel()
@@ -231,6 +227,7 @@ class RedisFeed:
                     self.sink.feed_restored()
                     log.info("route feed restored from %s", self.target.server)
                 await self._follow(client, position)
+                continue  # a reloaded max_stale_s: connect again with its read timeout
             except (RedisError, OSError) as exc:
                 _honour_cancel()  # a lost cancellation may surface as a connection error
                 reason = self._failed(exc)
@@ -250,6 +247,14 @@ class RedisFeed:
             self._attempt += 1
             log.warning("route feed: %s; retry %d in %.2fs", reason, self._attempt, delay)
             await asyncio.sleep(delay)
+
+    def _hang_grace(self) -> float:
+        """A Redis that hangs (stopped, swapping, a network black hole) is only seen when a read
+        times out. The blocking read returns every block_ms; past that, the grace is up to 5 s
+        but at most half of routes.max_stale_s (at least 1 s), so that a short max_stale_s
+        holds too (found by review: with max_stale_s = 2 a hung Redis was noticed, and the
+        cache made stale, only after ~6 s)."""
+        return min(5.0, max(1.0, self.max_stale_s / 2))
 
     def _failed(self, exc: BaseException) -> str:
         """Count a failure; the first of an outage is reported and starts the stale clock."""
@@ -296,7 +301,12 @@ class RedisFeed:
 
     # -- follow ----------------------------------------------------------------------------
     async def _follow(self, client: aioredis.Redis, position: Position) -> None:
+        """Until an error, or until a reload changed the read timeout (returns: the caller
+        connects again at once, its snapshot being the reload's resync)."""
         while True:
+            if self._hang_grace() != self._grace_s:
+                log.info("route feed: routes.max_stale_s changed; reconnecting")
+                return
             if self._resync_requested:
                 self._resync_requested = False
                 position = await self._snapshot(client)

@@ -54,9 +54,9 @@ def test_a_value_that_breaks_the_parser_is_one_rejected_route(kind: str) -> None
 
 def test_a_generation_is_a_64_bit_counter() -> None:
     base = {"sandbox_id": "x", "address": "127.0.0.1", "insecure": True}
-    assert not isinstance(parse_route({**base, "generation": (1 << 63) - 1}, ALLOWED), RouteError)
-    refused = parse_route({**base, "generation": 1 << 63}, ALLOWED)
-    assert refused == RouteError("x", "generation must be an integer from 0 to 2^63-1")
+    assert not isinstance(parse_route({**base, "generation": (1 << 64) - 1}, ALLOWED), RouteError)
+    refused = parse_route({**base, "generation": 1 << 64}, ALLOWED)
+    assert refused == RouteError("x", "generation must be an integer from 0 to 2^64-1")
 
 
 class _Sink:

@@ -183,7 +183,7 @@ def test_redis_invalid_input_writes_nothing(
     doc = {"routes": [route("fine"), {**route("bad"), "generation": -1}]}
     source = write_json(tmp_path / "in.json", doc)
     assert main(["routes", "put", str(source), "--config", str(config)]) == 2
-    assert "generation must be an integer from 0 to 2^63-1" in capsys.readouterr().err
+    assert "generation must be an integer from 0 to 2^64-1" in capsys.readouterr().err
     assert sync_writer.exists("relay:routes", "relay:routes:events") == 0
 
 
