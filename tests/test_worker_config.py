@@ -10,8 +10,11 @@ from pathlib import Path
 
 from relay.config import load
 from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, effective_config
-from relay.reload import plan
+from relay.reload import plan, reload_settings
+from relay.runtime import Relay
 from relay.worker_config import save
+from tests.support.certs import Issued, issue
+from tests.support.harness import DOMAIN, config_data, to_toml, write_routes
 
 
 def test_the_saved_configuration_reads_back_with_the_files_paths(tmp_path: Path) -> None:
@@ -78,3 +81,50 @@ def test_a_save_that_fails_leaves_no_older_one_behind(tmp_path: Path) -> None:
     (run_dir / f".config.json.{os.getpid()}").mkdir()  # the next write fails, as on ENOSPC
     save(run_dir, load(config_file), None)
     assert effective_config(env, str(config_file)) is None
+
+
+def _renew_in_place(directory: Path, served: Issued, config_file: Path) -> None:
+    renewed = issue(directory, [f"*.{DOMAIN}"])
+    served.cert_file.write_bytes(renewed.cert_file.read_bytes())
+    served.key_file.write_bytes(renewed.key_file.read_bytes())
+    config_file.write_text("not = = toml")  # and an edit of the config file in progress
+
+
+async def test_a_restarted_worker_renews_its_certificate_as_its_siblings_do(
+    tmp_path: Path,
+) -> None:
+    """It starts from its siblings' saved pair, then a renewal rewrites the files in place
+    and a SIGHUP comes while the config file does not parse: every worker keeps its running
+    configuration and re-reads the pair from the configured paths (found by review: the
+    restarted one re-read the run directory's copy and kept the old certificate)."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = issue(etc, [f"*.{DOMAIN}"])
+    write_routes(tmp_path / "routes.json", [])
+    tls = {"tls_cert": str(first.cert_file), "tls_key": str(first.key_file)}
+    config_file = etc / "relay.toml"
+    config_file.write_text(to_toml(config_data(tmp_path, {"listen": tls})))
+    sibling = Relay(load(config_file))
+    await sibling.start()
+    assert sibling.tls is not None
+    save(run_dir, sibling.config, sibling.tls.pem)
+    saved = effective_config({WORKER_ENV: "1", RUN_DIR_ENV: str(run_dir)}, str(config_file))
+    assert saved is not None
+    assert saved.tls_files is not None
+    restarted = Relay(saved.config)
+    restarted.initial_tls = saved.tls_files
+    await restarted.start()
+    try:
+        assert not any(path.exists() for path in saved.tls_files)  # copies for one load
+        assert restarted.tls is not None
+        old = sibling.tls.info.serial
+        assert restarted.tls.info.serial == old
+        _renew_in_place(tmp_path / "new", first, config_file)
+        reload_settings(sibling)
+        reload_settings(restarted)
+        assert restarted.tls.info.serial == sibling.tls.info.serial != old
+    finally:
+        await restarted.stop()
+        await sibling.stop()
