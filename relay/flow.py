@@ -21,6 +21,7 @@ PAUSE_UPSTREAM_FULL = 1  # the upstream's write buffer is full (request body bac
 PAUSE_DIAL = 2  # the active exchange waits for its upstream connection
 PAUSE_QUEUE = 4  # pipelined requests wait behind the active exchange
 PAUSE_UPGRADE = 8  # a WebSocket handshake is in flight
+PAUSE_CLIENT_FULL = 16  # the client does not read what relay answers it (see pause_writing)
 
 
 class Client(Protocol):

@@ -28,7 +28,7 @@ import httptools
 
 from relay.bodies import RequestBodies
 from relay.core.model import Reason, Reject, RequestHead
-from relay.flow import PAUSE_QUEUE, PAUSE_UPGRADE
+from relay.flow import PAUSE_CLIENT_FULL, PAUSE_QUEUE, PAUSE_UPGRADE
 from relay.forward import Exchange
 from relay.heads import KNOWN_HEAD_BYTES, REQUESTS, KnownRequest, remember
 
@@ -213,11 +213,21 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         self.write_paused = True
         if self.splice is not None:
             self.splice.client_pause_writing()
-        elif self.active is not None:
-            self.active.client_pause_writing()
+            return
+        active = self.active
+        if active is not None:
+            active.client_pause_writing()
+        if active is None or active.request_complete:
+            # What relay reads next can only be more requests, whose answers (relay's own,
+            # for requests it refuses, need no upstream) would pile up in a buffer the client
+            # does not drain: without this, a client pipelining refused requests and never
+            # reading grew relay's memory without bound (found by review). A body still on
+            # its way keeps flowing, under its upstream's own backpressure.
+            self.pause(PAUSE_CLIENT_FULL)
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self.resume(PAUSE_CLIENT_FULL)
         if self.splice is not None:
             self.splice.client_resume_writing()
         elif self.active is not None:
@@ -361,6 +371,8 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         if exchange is not self.active:
             return
         self.active = None
+        if self.write_paused:
+            self.pause(PAUSE_CLIENT_FULL)  # as pause_writing: a body it let flow is over
         # No parser and no refusal waiting: llhttp stopped at an upgrade. The connection ends
         # here unless that upgrade request is still queued behind this one (RFC 9112 §9.3.2:
         # pipelined requests are answered in order, a WebSocket handshake among them).

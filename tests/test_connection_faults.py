@@ -263,3 +263,39 @@ def test_a_connect_stream_that_ends_mid_envelope_still_gets_its_bytes(wired: Wir
     )
     wired.turns.end()
     assert wired.client_transport.data.endswith(b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+
+
+UNROUTED = b"GET /x HTTP/1.1\r\nHost: localhost\r\n\r\n"  # relay answers it itself (404)
+
+
+def test_a_client_that_does_not_read_relays_answers_is_not_read_either(wired: Wired) -> None:
+    """Found by review: pipelined requests that relay answers itself, from a client that
+    never reads, grew relay's memory without bound (the answers queue in a buffer the
+    client does not drain). At the transport's high-water mark relay stops reading, as
+    nginx does, and reads again once the client drained it."""
+    wired.client.data_received(UNROUTED * 3)
+    wired.turns.end()
+    assert wired.client_transport.data.count(b"HTTP/1.1 404") == 3
+    wired.client.pause_writing()  # what the transport says at its high-water mark
+    assert not wired.client_transport.reading
+    wired.client.resume_writing()
+    assert wired.client_transport.reading
+
+
+def test_a_body_on_its_way_keeps_flowing_until_its_exchange_ends(wired: Wired) -> None:
+    """While a request body still goes upstream, the client is read (the body is under its
+    upstream's own backpressure); once that exchange is over, a client that still does not
+    read is not read either."""
+    head = f"POST /up HTTP/1.1\r\nHost: 3000-sbx.{DOMAIN}\r\nContent-Length: 4\r\n\r\n"
+    wired.client.data_received(head.encode() + b"ab")
+    wired.turns.end()
+    wired.client.pause_writing()
+    assert wired.client_transport.reading
+    wired.client.data_received(b"cd")
+    wired.turns.end()
+    wired.upstream.data_received(RESPONSE)
+    wired.turns.end()
+    assert wired.client.active is None
+    assert not wired.client_transport.reading
+    wired.client.resume_writing()
+    assert wired.client_transport.reading
