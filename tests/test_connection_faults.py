@@ -268,6 +268,11 @@ def test_a_connect_stream_that_ends_mid_envelope_still_gets_its_bytes(wired: Wir
 UNROUTED = b"GET /x HTTP/1.1\r\nHost: localhost\r\n\r\n"  # relay answers it itself (404)
 
 
+def reading(wired: Wired) -> bool:
+    """Whether relay reads the client (a call: mypy would narrow an attribute's value)."""
+    return wired.client_transport.reading
+
+
 def test_a_client_that_does_not_read_relays_answers_is_not_read_either(wired: Wired) -> None:
     """Found by review: pipelined requests that relay answers itself, from a client that
     never reads, grew relay's memory without bound (the answers queue in a buffer the
@@ -277,9 +282,9 @@ def test_a_client_that_does_not_read_relays_answers_is_not_read_either(wired: Wi
     wired.turns.end()
     assert wired.client_transport.data.count(b"HTTP/1.1 404") == 3
     wired.client.pause_writing()  # what the transport says at its high-water mark
-    assert not wired.client_transport.reading
+    assert not reading(wired)
     wired.client.resume_writing()
-    assert wired.client_transport.reading
+    assert reading(wired)
 
 
 def test_a_body_on_its_way_keeps_flowing_until_its_exchange_ends(wired: Wired) -> None:
@@ -290,12 +295,12 @@ def test_a_body_on_its_way_keeps_flowing_until_its_exchange_ends(wired: Wired) -
     wired.client.data_received(head.encode() + b"ab")
     wired.turns.end()
     wired.client.pause_writing()
-    assert wired.client_transport.reading
+    assert reading(wired)
     wired.client.data_received(b"cd")
     wired.turns.end()
     wired.upstream.data_received(RESPONSE)
     wired.turns.end()
     assert wired.client.active is None
-    assert not wired.client_transport.reading
+    assert not reading(wired)
     wired.client.resume_writing()
-    assert wired.client_transport.reading
+    assert reading(wired)
