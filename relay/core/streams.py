@@ -122,29 +122,44 @@ class EnvelopeTracker:
 # --- WebSocket (RFC 6455 §5.2) ----------------------------------------------------------
 
 CLOSE_GOING_AWAY = 1001
+# Frame headers followed per read at most. Each costs a pass of a Python loop (~0.4 µs): a
+# peer sending empty frames (2-6 bytes each) made one 256 KiB read cost ~56 ms and stalled the
+# event loop, every other client with it, for as long as it kept sending (found by review).
+# Past this many frames in one read a direction stops being followed: relay no longer knows
+# its boundaries, so when it has to end the connection it closes it without a Close frame
+# that way (at_boundary False), as it does for a connection cut mid-frame.
+MAX_FRAMES_PER_READ = 4096
 
 
 class FrameTracker:
     """Follows WebSocket frame boundaries in one direction without buffering payloads."""
 
-    __slots__ = ("_header", "_remaining")
+    __slots__ = ("_header", "_lost", "_remaining")
 
     def __init__(self) -> None:
         self._header = b""  # an incomplete frame header
         self._remaining = 0  # payload bytes of the current frame not yet seen
+        self._lost = False  # no longer followed (MAX_FRAMES_PER_READ)
 
     @property
     def at_boundary(self) -> bool:
-        return not self._header and not self._remaining
+        return not self._header and not self._remaining and not self._lost
 
     def feed(self, data: bytes) -> None:
+        if self._lost:
+            return
         pos, n = 0, len(data)
+        frames = 0
         while pos < n:
             if self._remaining:
                 step = min(self._remaining, n - pos)
                 self._remaining -= step
                 pos += step
                 continue
+            frames += 1
+            if frames > MAX_FRAMES_PER_READ:
+                self._lost = True
+                return
             header = self._header + data[pos : pos + 14]
             size = _header_size(header)
             if size is None or len(header) < size:

@@ -8,7 +8,13 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.core.streams import EnvelopeTracker, FrameTracker, close_frame, end_stream_frame
+from relay.core.streams import (
+    MAX_FRAMES_PER_READ,
+    EnvelopeTracker,
+    FrameTracker,
+    close_frame,
+    end_stream_frame,
+)
 
 
 def envelope(payload: bytes, flags: int = 0) -> bytes:
@@ -122,6 +128,21 @@ def test_frame_tracker_finds_boundaries(sizes: list[int], mask: bool, step: int)
     if stream:
         tracker.feed(stream[:1])
         assert not tracker.at_boundary
+
+
+def test_a_flood_of_tiny_frames_is_no_longer_followed() -> None:
+    """Found by review: empty frames cost a loop pass each, and a 256 KiB read of them
+    stalled relay for ~56 ms. Past MAX_FRAMES_PER_READ frames in one read, the direction is
+    no longer followed (its boundary is unknown: no Close frame that way), for good."""
+    tracker = FrameTracker()
+    empty = ws_frame(b"", mask=True)
+    seen = []
+    for frames in (MAX_FRAMES_PER_READ, MAX_FRAMES_PER_READ + 1):
+        tracker.feed(empty * frames)
+        seen.append(tracker.at_boundary)
+    tracker.feed(ws_frame(b"x", mask=False))
+    seen.append(tracker.at_boundary)
+    assert seen == [True, False, False]  # as many as allowed are still followed
 
 
 def test_close_frames() -> None:
