@@ -23,6 +23,11 @@ import json
 
 END_STREAM_FLAG = 0x02
 DEFAULT_HOLD_LIMIT = 256 * 1024
+# Envelopes followed per read at most, as MAX_FRAMES_PER_READ for WebSockets: a guest
+# streaming empty envelopes (5 bytes each) would otherwise cost a Python loop pass per
+# envelope, ~20 ms per 256 KiB read, and stall every other client. Past it the stream is no
+# longer followed: passed on as it comes, and cut without an end-of-stream envelope.
+MAX_ENVELOPES_PER_READ = 4096
 
 
 def end_stream_frame(sandbox_id: str) -> bytes:
@@ -43,12 +48,13 @@ def end_stream_frame(sandbox_id: str) -> bytes:
 class EnvelopeTracker:
     """Splits a Connect stream body so that only whole envelopes are released."""
 
-    __slots__ = ("_held", "_hold_limit", "_skip", "ended")
+    __slots__ = ("_held", "_hold_limit", "_lost", "_skip", "ended")
 
     def __init__(self, hold_limit: int = DEFAULT_HOLD_LIMIT) -> None:
         self._held = b""
         self._skip = 0  # bytes of an oversized envelope still to pass through unheld
         self._hold_limit = hold_limit
+        self._lost = False  # no longer followed (MAX_ENVELOPES_PER_READ)
         self.ended = False  # the upstream's own end-of-stream envelope was seen
 
     @property
@@ -59,7 +65,7 @@ class EnvelopeTracker:
         is held ends cleanly, the partial envelope dropped. Only an oversized envelope that is
         passing through unheld leaves the client mid-envelope.
         """
-        return not self._skip
+        return not self._skip and not self._lost
 
     @property
     def holding(self) -> int:
@@ -75,7 +81,7 @@ class EnvelopeTracker:
         """Whether ``data[start:end]`` is one whole envelope and nothing is held: what
         :meth:`feed` would release as it is (the usual stream event). The caller then passes
         it on itself; False leaves the tracker as it was, for :meth:`feed`."""
-        if self._held or self._skip or end - start < 5:
+        if self._held or self._skip or self._lost or end - start < 5:
             return False
         size = (data[start + 1] << 24) | (data[start + 2] << 16) | (data[start + 3] << 8)
         if end - start != 5 + (size | data[start + 4]):
@@ -86,6 +92,8 @@ class EnvelopeTracker:
 
     def feed(self, data: bytes) -> bytes:
         """Bytes that may be released now; the rest is held until its envelope completes."""
+        if self._lost:
+            return data
         released = b""
         if self._skip:
             take = min(self._skip, len(data))
@@ -95,7 +103,13 @@ class EnvelopeTracker:
                 return released
         buf = self._held + data if self._held else data
         pos, n = 0, len(buf)
+        envelopes = 0
         while n - pos >= 5:
+            envelopes += 1
+            if envelopes > MAX_ENVELOPES_PER_READ:
+                self._lost = True
+                self._held = b""
+                return released + buf
             # The 4-byte big-endian length by hand: int.from_bytes (a slice, the "big"
             # argument parsed) cost ~15 µs on a core that was idle, where a stream's events
             # arrive (bench.micro --cold-ms; bench/README.md, "A ninth host").

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relay.core.streams import (
+    MAX_ENVELOPES_PER_READ,
     MAX_FRAMES_PER_READ,
     EnvelopeTracker,
     FrameTracker,
@@ -143,6 +144,24 @@ def test_a_flood_of_tiny_frames_is_no_longer_followed() -> None:
     tracker.feed(ws_frame(b"x", mask=False))
     seen.append(tracker.at_boundary)
     assert seen == [True, False, False]  # as many as allowed are still followed
+
+
+def test_a_flood_of_tiny_envelopes_is_no_longer_followed() -> None:
+    """As for WebSocket frames: past MAX_ENVELOPES_PER_READ envelopes in one read a Connect
+    stream is passed on as it comes (what was held included) and cut without an
+    end-of-stream envelope."""
+    empty = b"\x00\x00\x00\x00\x00"
+    tracker = EnvelopeTracker()
+    allowed = empty * MAX_ENVELOPES_PER_READ
+    assert tracker.feed(allowed + empty[:2]) == allowed
+    assert tracker.holding == 2
+    flood = empty[2:] + empty * MAX_ENVELOPES_PER_READ + b"\x00\x00"
+    assert tracker.feed(flood) == empty[:2] + flood
+    assert not tracker.at_boundary
+    assert tracker.holding == 0
+    assert tracker.feed(b"\x02\x00") == b"\x02\x00"  # passed on, not followed
+    assert not tracker.whole(empty, 0, 5)
+    assert not tracker.ended
 
 
 def test_close_frames() -> None:
