@@ -66,6 +66,14 @@ class Outbox:
         self._busy = busy
         self._holding = busy <= 0
 
+    def later(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` in the loop's next pass (``loop.call_soon`` as bound); unbound,
+        at once."""
+        if self._schedule is None:
+            callback()
+        else:
+            self._schedule(callback)
+
     def unbind(self) -> None:
         self.flush()
         self._schedule = None
