@@ -54,7 +54,7 @@ MANAGEMENT = Kind.MANAGEMENT
 
 
 class Exchange(Respond):
-    __slots__ = ("_discarded", "_retried", "_reused", "_tail")
+    __slots__ = ("_discarded", "_flood_rest", "_retried", "_reused", "_tail")
 
     def __init__(self, client: Client, head: RequestHead, *, keep_alive: bool) -> None:
         self.client = client
@@ -67,6 +67,7 @@ class Exchange(Respond):
         self._pending: list[bytes] = []  # framed request body waiting for the upstream
         self._discarded = 0
         self._tail = b""  # bytes the client sent after a WebSocket handshake
+        self._flood_rest = b""  # the rest of an upstream read of tiny chunks (upstream_data)
         self._dial_task: asyncio.Task[None] | None = None
         # Response bytes produced while llhttp parses one upstream read, written to the client
         # in one writev when the read is done: a small response costs one syscall, not three.
@@ -242,7 +243,7 @@ class Exchange(Respond):
             self.upstream.pause_reading()
 
     def client_resume_writing(self) -> None:
-        if self.upstream is not None:
+        if self.upstream is not None and not self._flood_rest:
             self.upstream.resume_reading()
 
     # -- upstream side (Owner protocol) -----------------------------------------------------
@@ -251,7 +252,22 @@ class Exchange(Respond):
         if reader is not None:
             if reader.at_chunk and self._whole_chunk(data):
                 return
-            reader.feed(data)
+            rest = reader.feed(data)
+            if rest:
+                # A flood of tiny chunks (relay.flow.FLOOD_SLICE): the rest of the read in the
+                # next turn, the upstream unread meanwhile.
+                if not self._flood_rest and self.upstream is not None:
+                    self.upstream.pause_reading()
+                    self.client.relay.outbox.later(self._flood_continue)
+                self._flood_rest += rest
+
+    def _flood_continue(self) -> None:
+        rest, self._flood_rest = self._flood_rest, b""
+        if self.reader is None or self.state is not STREAMING or self.upstream is None:
+            return  # cut or ended meanwhile: what was left of the read goes with it
+        self.upstream_data(rest)
+        if not self._flood_rest and self.upstream is not None and not self.client.write_paused:
+            self.upstream.resume_reading()
 
     def upstream_eof(self) -> None:
         if self.state is not STREAMING:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 
 from relay.core import headers as header_rules
+from relay.flow import FLOOD_PIECES, FLOOD_SLICE
 from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ class ResponseReader:
         "_first",
         "_head_bytes",
         "_headers",
+        "_in_body",
         "_in_head",
         "_key",
         "_last",
@@ -136,6 +138,7 @@ class ResponseReader:
         "feeding",
         "interim",
         "parser",
+        "pieces",
     )
 
     def __init__(self, owner: Events) -> None:
@@ -168,6 +171,8 @@ class ResponseReader:
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0  # the current response head's size, then its trailers'
         self._in_head = False  # fields now are head fields, not trailers
+        self._in_body = False  # llhttp reads the final response's body (feed slices floods)
+        self.pieces = 0  # body pieces llhttp delivered in the current slice
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
         self._stalled = 0  # bytes fed since it last did
         self._reason = b""
@@ -206,11 +211,20 @@ class ResponseReader:
     def release_after_feed(self, conn: UpstreamConnection, pool: Pool) -> None:
         self._release = (conn, pool)
 
-    def feed(self, data: bytes) -> None:
-        """One upstream read."""
+    def feed(self, data: bytes) -> bytes:
+        """One upstream read; returns what is left of it for the next turn of the loop (the
+        rest of a flood of tiny chunks, relay.flow.FLOOD_SLICE), else b""."""
         self.feeding = True
         try:
+            if len(data) > FLOOD_SLICE and self._in_body and self._body_left <= 0:
+                self.pieces = 0
+                self._feed(data[:FLOOD_SLICE])
+                rest = data[FLOOD_SLICE:]
+                if self.pieces > FLOOD_PIECES and self._in_body and self.parser is not None:
+                    return rest
+                data = rest  # not a flood (or it ended): the rest as read
             self._feed(data)
+            return b""
         finally:
             self.feeding = False
             self._key = self._seen = None  # only the read that set them may remember
@@ -408,12 +422,14 @@ class ResponseReader:
             owner.response_interim(status, self._reason, headers)
             return
         self.interim = False
+        self._in_body = True
         keep = parser.should_keep_alive() and not self._closing
         if self._key is not None and keep:  # else llhttp ends closed, not at a message start
             self._seen = KnownResponse(status, self._reason, headers, keep, 0)
         self._body_left = owner.response_head(status, self._reason, headers, keep)
 
     def on_body(self, body: bytes) -> None:
+        self.pieces += 1
         self._moved = True
         if self.interim:
             return
@@ -434,6 +450,7 @@ class ResponseReader:
 
     def on_message_complete(self) -> None:
         self._chunk_edge = False
+        self._in_body = False
         self._moved = True
         if self.interim:
             self.interim = False

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import flow, server
+from relay import flow, response, server
 from tests.support.wired import DOMAIN, RESPONSE, Wired, make_wired
 
 HEAD = f"POST /up HTTP/1.1\r\nHost: 3000-sbx.{DOMAIN}\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -108,15 +108,21 @@ def uploads(draw: st.DrawFn) -> tuple[list[bytes], bool]:
     return reads, draw(st.booleans())
 
 
-def serve(tmp_path: Path, reads: list[bytes], answer_between: bool) -> list[Any]:
+def undialling(tmp_path: Path) -> Wired:
+    """A wired relay whose exchanges find no second upstream connection (no event loop)."""
     tmp_path.mkdir()
     wired = make_wired(tmp_path)
 
     def no_dial(coro: Any) -> Any:
-        coro.close()  # a second upstream connection would need an event loop
+        coro.close()
         raise RuntimeError("no event loop here")
 
     wired.relay.spawn = no_dial  # type: ignore[method-assign]
+    return wired
+
+
+def serve(tmp_path: Path, reads: list[bytes], answer_between: bool) -> list[Any]:
+    wired = undialling(tmp_path)
     for data in reads:
         wired.client.data_received(data)
         wired.turns.end()
@@ -143,4 +149,102 @@ def test_slicing_is_invisible(tmp_path_factory: pytest.TempPathFactory, case: An
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(server, "FLOOD_SLICE", 1 << 40)
         whole = serve(base / "whole", reads, answer_between)
+    assert sliced == whole
+
+
+# -- responses ------------------------------------------------------------------------------
+GET = f"GET /s HTTP/1.1\r\nHost: 3000-sbx.{DOMAIN}\r\n\r\n".encode()
+CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def upstream_reading(wired: Wired) -> bool:
+    return wired.upstream_transport.reading
+
+
+def client_got(wired: Wired) -> bytes:
+    return b"".join(data for kind, data in wired.client_transport.events if kind == "write")
+
+
+def decoded(stream: bytes) -> list[bytes]:
+    """Response heads and their chunked bodies' payloads (see unchunked)."""
+    out: list[bytes] = []
+    pos = 0
+    while pos < len(stream):
+        if stream.startswith(b"HTTP/1.1 ", pos):
+            end = stream.index(b"\r\n\r\n", pos) + 4
+            out += [stream[pos:end], b""]
+            pos = end
+            continue
+        line_end = stream.index(b"\r\n", pos)
+        size = int(stream[pos:line_end], 16)
+        pos = line_end + 2
+        out[-1] += stream[pos : pos + size]
+        pos += size + 2
+    return out
+
+
+def test_a_response_read_of_tiny_chunks_is_fed_over_several_turns(tmp_path: Path) -> None:
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(CHUNKED)
+    wired.turns.end()
+    flood = tiny_chunks(10_000)
+    wired.upstream.data_received(flood)
+    assert not upstream_reading(wired)  # the rest waits, the upstream unread
+    turns = 0
+    while wired.turns.pending and turns < 100:
+        wired.turns.pending.pop(0)()
+        turns += 1
+    assert upstream_reading(wired)
+    assert turns >= len(flood) // flow.FLOOD_SLICE
+    assert decoded(client_got(wired))[1] == b"x" * 10_000
+    wired.upstream.data_received(b"0\r\n\r\n")
+    wired.turns.end()
+    assert wired.client.active is None  # the response ended: the connection is reusable
+
+
+@st.composite
+def responses(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
+    """Two chunked responses on one upstream connection (tiny and larger chunks), cut into
+    reads; and after which reads the client pauses and resumes writing."""
+    stream = b""
+    for _ in range(2):
+        body = b""
+        for _ in range(draw(st.integers(0, 4))):
+            size, count = draw(
+                st.sampled_from([(1, 3000), (2, 1500), (3, 10), (50, 300), (3000, 5)])
+            )
+            body += (b"%x\r\n" % size + b"z" * size + b"\r\n") * count
+        stream += CHUNKED + body + b"0\r\n\r\n"
+    cuts = draw(st.lists(st.integers(0, len(stream)), max_size=4))
+    bounds = [0, *sorted(set(cuts)), len(stream)]
+    reads = [stream[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    pauses = draw(st.lists(st.integers(0, len(reads)), max_size=2))
+    return reads, pauses
+
+
+def relay_responses(tmp_path: Path, reads: list[bytes], pauses: list[int]) -> list[Any]:
+    wired = undialling(tmp_path)
+    wired.client.data_received(GET + GET)
+    wired.turns.end()
+    for number, data in enumerate(reads):
+        if number in pauses:
+            wired.client.pause_writing()
+        wired.upstream.data_received(data)
+        wired.turns.end()
+        wired.client.resume_writing()
+        wired.turns.end()
+    return [decoded(client_got(wired)), wired.client.requests, wired.client.active is None]
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=responses())
+def test_response_slicing_is_invisible(tmp_path_factory: pytest.TempPathFactory, case: Any) -> None:
+    reads, pauses = case
+    base = tmp_path_factory.mktemp("flood")
+    sliced = relay_responses(base / "sliced", reads, pauses)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(response, "FLOOD_SLICE", 1 << 40)
+        whole = relay_responses(base / "whole", reads, pauses)
     assert sliced == whole
