@@ -26,6 +26,7 @@ import httptools
 
 from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject
+from relay.flow import PAUSE_CLIENT_FULL
 
 if TYPE_CHECKING:
     from relay.forward import Exchange
@@ -198,9 +199,11 @@ class Closing:
 
     def head_timed_out(self) -> None:
         """``listen.header_timeout_s`` passed without a complete request head (slowloris)."""
-        if self.active is not None:
+        if self.active is not None or self._paused & PAUSE_CLIENT_FULL:
             # A pipelined head trickling in behind a long response: the response may run
-            # for hours (a command stream), so only the head's own wait is restarted.
+            # for hours (a command stream), so only the head's own wait is restarted. So too
+            # while relay itself does not read the client, which has not drained relay's
+            # answers yet (found by review: a 408 for a head relay stopped reading).
             self.relay.timers.expect_head(self)
         elif self._head_raw or self._in_head:  # llhttp began a head: bytes were sent
             self.refuse(Reject(reason=Reason.HEADER_TIMEOUT))

@@ -220,20 +220,33 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         if self.splice is not None:
             self.splice.client_pause_writing()
             return
+        if self.active is not None:
+            self.active.client_pause_writing()
+        self._hold_unread()
+
+    def _hold_unread(self) -> None:
+        """While the client does not read relay's answers, relay does not read it either,
+        unless a request body is on its way upstream (it flows under its upstream's own
+        backpressure). What relay would read next can only be more requests, whose answers
+        (relay's own, for requests it refuses, need no upstream) would pile up in a buffer
+        the client does not drain: a client pipelining refused requests and never reading
+        grew relay's memory without bound (found by review). Checked again whenever the
+        active exchange changes or its request ends. Not while closing (a lingering close
+        reads on) nor for a WebSocket (full duplex, under the upstream's backpressure)."""
+        if self.closing or self.splice is not None:
+            return
         active = self.active
-        if active is not None:
-            active.client_pause_writing()
-        if active is None or active.request_complete:
-            # What relay reads next can only be more requests, whose answers (relay's own,
-            # for requests it refuses, need no upstream) would pile up in a buffer the client
-            # does not drain: without this, a client pipelining refused requests and never
-            # reading grew relay's memory without bound (found by review). A body still on
-            # its way keeps flowing, under its upstream's own backpressure.
+        if self.write_paused and (active is None or active.request_complete):
             self.pause(PAUSE_CLIENT_FULL)
+        else:
+            self.resume(PAUSE_CLIENT_FULL)
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        self.resume(PAUSE_CLIENT_FULL)
+        if self._paused & PAUSE_CLIENT_FULL:
+            self.resume(PAUSE_CLIENT_FULL)
+            if self.active is None and self.splice is None and not self._in_head:
+                self.relay.timers.expect_idle(self)  # the idle wait _next_exchange skipped
         if self.splice is not None:
             self.splice.client_resume_writing()
         elif self.active is not None:
@@ -340,6 +353,8 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
             receiving.request_done()
+            if self.write_paused:
+                self._hold_unread()  # its body is over
 
     # -- flow control -------------------------------------------------------------------------
     def pause(self, reason: int) -> None:
@@ -377,8 +392,13 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         if exchange is not self.active:
             return
         self.active = None
-        if self.write_paused:
-            self.pause(PAUSE_CLIENT_FULL)  # as pause_writing: a body it let flow is over
+        try:
+            self._next_exchange(keep_alive)
+        finally:
+            if self.write_paused and not self._starting:
+                self._hold_unread()  # for the exchange that runs now, if any (review)
+
+    def _next_exchange(self, keep_alive: bool) -> None:
         # No parser and no refusal waiting: llhttp stopped at an upgrade. The connection ends
         # here unless that upgrade request is still queued behind this one (RFC 9112 §9.3.2:
         # pipelined requests are answered in order, a WebSocket handshake among them).
@@ -413,7 +433,9 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
             self.close()  # every request the client sent before its FIN is answered
             return
         self.resume(PAUSE_QUEUE)
-        if not self._in_head:
+        if not self._in_head and not self.write_paused:
+            # Not while relay itself does not read the client (_hold_unread): it may have
+            # requests waiting unread; the wait starts once it drained (resume_writing).
             self.relay.timers.expect_idle(self)
 
     def start_splice(self, splice: Splice) -> None:

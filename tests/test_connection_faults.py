@@ -266,6 +266,7 @@ def test_a_connect_stream_that_ends_mid_envelope_still_gets_its_bytes(wired: Wir
 
 
 UNROUTED = b"GET /x HTTP/1.1\r\nHost: localhost\r\n\r\n"  # relay answers it itself (404)
+ROUTED = f"GET /x HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
 
 
 def reading(wired: Wired) -> bool:
@@ -304,3 +305,49 @@ def test_a_body_on_its_way_keeps_flowing_until_its_exchange_ends(wired: Wired) -
     assert not reading(wired)
     wired.client.resume_writing()
     assert reading(wired)
+
+
+def test_a_queued_upload_is_read_once_its_turn_comes(wired: Wired) -> None:
+    """Found by review: the first answer filled the client's buffer and finished; the queued
+    POST behind it then started with its body on its way, but relay kept not reading the
+    client, which may send the whole body before it reads anything."""
+    post_b = f"POST /up HTTP/1.1\r\nHost: 3000-sbx.{DOMAIN}\r\nContent-Length: 10\r\n\r\nab"
+    second = UpstreamConnection(wired.relay.pool, PoolKey("sbx", 0, "127.0.0.1", 3000))
+    second.connection_made(Recorder(("127.0.0.1", 3000)))  # type: ignore[arg-type]
+    wired.relay.pool.release(second)
+    wired.client.data_received(ROUTED + post_b.encode())
+    wired.turns.end()
+    wired.client.pause_writing()
+    first = wired.client.active
+    assert first is not None
+    assert first.upstream is not None
+    first.upstream.data_received(RESPONSE)
+    wired.turns.end()
+    upload = wired.client.active
+    assert upload is not None
+    assert upload.head.method == b"POST"
+    assert reading(wired)
+    wired.client.data_received(b"cdefghij")  # the body's end: nothing more to read for it
+    wired.turns.end()
+    assert not reading(wired)
+
+
+def test_a_head_relay_stopped_reading_gets_no_408(
+    wired: Wired, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a pipelined head half read when relay stopped reading the client
+    (its answers not drained) got a 408 once header_timeout_s passed; relay was the one not
+    reading, so the head's wait restarts, as behind a running response."""
+    now = [1000.0]
+    monkeypatch.setattr(wired.relay.timers, "_clock", lambda: now[0])
+    wired.client.data_received(ROUTED + b"GET /y HTTP/1.1\r\nHo")
+    wired.turns.end()
+    wired.client.pause_writing()
+    wired.upstream.data_received(RESPONSE)
+    wired.turns.end()
+    assert wired.client.active is None
+    assert not reading(wired)
+    now[0] += wired.relay.config.listen.header_timeout_s + 1
+    wired.relay.timers.sweep()
+    wired.turns.end()
+    assert b" 408 " not in wired.client_transport.data
