@@ -23,23 +23,12 @@ from __future__ import annotations
 import httptools
 
 from relay.closing import Closing
-from relay.flow import FLOOD_PIECES, FLOOD_SLICE, PAUSE_FLOOD
 
 
 class RequestBodies(Closing):
     """The request-body half of a client connection (see the module docstring)."""
 
-    __slots__ = (
-        "_body_left",
-        "_body_seen",
-        "_flood_rest",
-        "_headers",
-        "_moved",
-        "_pieces",
-        "_stalled",
-        "_unlengthed",
-        "_unsliced",
-    )
+    __slots__ = ("_body_left", "_body_seen", "_headers", "_moved", "_stalled", "_unlengthed")
 
     _headers: list[tuple[bytes, bytes]]
     _body_left: int  # the rest of a Content-Length body, passed without llhttp
@@ -47,17 +36,8 @@ class RequestBodies(Closing):
     _unlengthed: bool  # the current request's fields were searched: no Content-Length
     _moved: bool
     _stalled: int
-    _pieces: int  # body pieces llhttp delivered in the current slice (_feed_slices)
-    _flood_rest: bytes  # the rest of a read of tiny chunks, for the next turn
-    _unsliced: bool  # feeding the rest of a read whose first slice was no flood
 
     def data_received(self, data: bytes) -> None:
-        raise NotImplementedError  # ClientConnection's
-
-    def pause(self, reason: int) -> None:
-        raise NotImplementedError  # ClientConnection's
-
-    def resume(self, reason: int) -> None:
         raise NotImplementedError  # ClientConnection's
 
     def on_message_complete(self) -> None:
@@ -65,7 +45,6 @@ class RequestBodies(Closing):
 
     def on_body(self, body: bytes) -> None:
         """llhttp's callback, and the passthrough's: body bytes for the current request."""
-        self._pieces += 1
         self._moved = True
         self._body_seen += len(body)
         if self.receiving is not None and not self.closing:
@@ -111,28 +90,4 @@ class RequestBodies(Closing):
             self.internal_error(exc)
             return
         if rest:
-            self.data_received(rest)
-
-    def _feed_slices(self, data: bytes) -> None:
-        """A large read inside a body llhttp parses: in slices, the rest of a flood of tiny
-        chunks left for the next turn (relay.flow.FLOOD_SLICE)."""
-        self._pieces = 0
-        self.data_received(data[:FLOOD_SLICE])
-        rest = data[FLOOD_SLICE:]
-        if self._pieces <= FLOOD_PIECES:
-            self._unsliced = True  # not a flood: the rest in one piece, as read
-            try:
-                self.data_received(rest)
-            finally:
-                self._unsliced = False
-            return
-        self._flood_rest += rest
-        if not self._paused & PAUSE_FLOOD:
-            self.pause(PAUSE_FLOOD)
-            self.relay.outbox.later(self._flood_continue)
-
-    def _flood_continue(self) -> None:
-        rest, self._flood_rest = self._flood_rest, b""
-        self.resume(PAUSE_FLOOD)
-        if rest and self.transport is not None:
             self.data_received(rest)

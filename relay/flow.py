@@ -22,15 +22,15 @@ PAUSE_DIAL = 2  # the active exchange waits for its upstream connection
 PAUSE_QUEUE = 4  # pipelined requests wait behind the active exchange
 PAUSE_UPGRADE = 8  # a WebSocket handshake is in flight
 PAUSE_CLIENT_FULL = 16  # the client does not read what relay answers it (see pause_writing)
-PAUSE_FLOOD = 32  # the rest of a read of tiny body pieces waits for the next turn (below)
 
-# A read that llhttp parses inside a body (chunked, or for a response also one that ends at
-# close) is fed to it in slices of FLOOD_SLICE bytes; after a slice that held more than
+# A read that llhttp parses inside a response body (chunked, or one that ends at close) is
+# fed to it in a first slice of FLOOD_SLICE bytes; when that slice held more than
 # FLOOD_PIECES body pieces (chunks of under 64 bytes on average), the rest of the read waits
-# for the next turn of the event loop, its connection unread meanwhile. llhttp calls Python
-# once per chunk, and a body of 1-byte chunks cost ~100 ms per 256 KiB read of a request
-# (~50 ms of a response), during which relay served no one else (found by review for
-# WebSocket frames; the same held for chunks). Legitimate chunks are far larger.
+# for the next turn of the event loop, the upstream unread meanwhile (relay.response). llhttp
+# calls Python once per chunk, and a response of 1-byte chunks cost ~50 ms per 256 KiB read,
+# during which relay served no one else (found by review for WebSocket frames; the same held
+# for chunks). Legitimate chunks are far larger. Request bodies are not sliced (yet): see
+# bench/README.md and the issue notes.
 FLOOD_SLICE = 8 * 1024
 FLOOD_PIECES = 128
 

@@ -28,7 +28,7 @@ import httptools
 
 from relay.bodies import RequestBodies
 from relay.core.model import Reason, Reject, RequestHead
-from relay.flow import FLOOD_SLICE, PAUSE_CLIENT_FULL, PAUSE_QUEUE, PAUSE_UPGRADE
+from relay.flow import PAUSE_CLIENT_FULL, PAUSE_QUEUE, PAUSE_UPGRADE
 from relay.forward import Exchange
 from relay.heads import KNOWN_HEAD_BYTES, REQUESTS, KnownRequest, remember
 
@@ -78,9 +78,6 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         self._keep = True  # the current request lets the connection carry another
         self._body_left = 0  # the rest of a Content-Length body, passed without llhttp
         self._body_seen = 0  # body bytes of the current request so far (relay.bodies)
-        self._pieces = 0  # body pieces llhttp delivered in the current slice (relay.bodies)
-        self._flood_rest = b""  # the rest of a read of tiny chunks, for the next turn
-        self._unsliced = False
         self._unlengthed = False  # its fields hold no Content-Length (relay.bodies)
         # The last replayed read, what it is and its RequestHead (immutable): a kept-alive
         # client repeats its request, which is then compared, not hashed, and not built again.
@@ -130,9 +127,6 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
             return
         if self._body_left:
             self._pass_body(data)
-            return
-        if len(data) > FLOOD_SLICE and self._mid_message and not (self._in_head or self._unsliced):
-            self._feed_slices(data)
             return
         if self._in_head or not self._mid_message:
             # A head, or a read that may begin one (also while a response runs); never a
