@@ -29,8 +29,8 @@ PAUSE_CLIENT_FULL = 16  # the client does not read what relay answers it (see pa
 # for the next turn of the event loop, the upstream unread meanwhile (relay.response). llhttp
 # calls Python once per chunk, and a response of 1-byte chunks cost ~50 ms per 256 KiB read,
 # during which relay served no one else (found by review for WebSocket frames; the same held
-# for chunks). Legitimate chunks are far larger. Request bodies are not sliced (yet): see
-# bench/README.md and the issue notes.
+# for chunks). Legitimate chunks are far larger. Request bodies are not sliced yet (README,
+# "Decisions": a first attempt was reverted after review).
 FLOOD_SLICE = 8 * 1024
 FLOOD_PIECES = 128
 

@@ -256,10 +256,11 @@ class Exchange(Respond):
             if rest:
                 # A flood of tiny chunks (relay.flow.FLOOD_SLICE): the rest of the read in the
                 # next turn, the upstream unread meanwhile.
-                if not self._flood_rest and self.upstream is not None:
+                pending = bool(self._flood_rest)
+                self._flood_rest += rest  # before scheduling: an unbound outbox runs it at once
+                if not pending and self.upstream is not None:
                     self.upstream.pause_reading()
                     self.client.relay.outbox.later(self._flood_continue)
-                self._flood_rest += rest
 
     def _flood_continue(self) -> None:
         rest, self._flood_rest = self._flood_rest, b""

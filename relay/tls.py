@@ -51,7 +51,7 @@ class ReloadableContext:
         self.info: CertInfo = check_files(Path(cert), Path(key), domains)
         self.current = server_context(cert, key)
         # The files' bytes as they were loaded, for a worker that its supervisor restarts
-        # (relay.lifecycle.save_effective_config): the pair may be rewritten in place later.
+        # (relay.worker_config.save): the pair may be rewritten in place later.
         self.pem = pem
         self.listener = server_context(cert, key)
         self.listener.sni_callback = self._select

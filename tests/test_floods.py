@@ -134,3 +134,32 @@ def test_response_slicing_is_invisible(tmp_path_factory: pytest.TempPathFactory,
         patch.setattr(response, "FLOOD_SLICE", 1 << 40)
         whole = relay_responses(base / "whole", reads, pauses)
     assert sliced == whole
+
+
+def test_an_ordinary_large_read_stays_one_feed_and_one_write(tmp_path: Path) -> None:
+    """Found by review: slicing every read over 8 KiB cost a copy and a second client
+    write; only a read whose first slice is dense with chunk lines is sliced."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(CHUNKED)
+    wired.turns.end()
+    before = len(wired.client_transport.events)
+    wired.upstream.data_received((b"4000\r\n" + b"x" * 0x4000 + b"\r\n") * 4)
+    wired.turns.end()
+    writes = [event for event in wired.client_transport.events[before:] if event[0] == "write"]
+    assert len(writes) == 1
+
+
+def test_a_flood_with_an_unbound_outbox_keeps_every_byte_in_order(tmp_path: Path) -> None:
+    """Found by review: the rest was stored after scheduling its continuation, which an
+    unbound outbox runs at once, so it was never fed."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(CHUNKED)
+    wired.turns.end()
+    wired.relay.outbox.unbind()
+    wired.upstream.data_received(tiny_chunks(3000))
+    wired.upstream.data_received(b"2\r\nyy\r\n")
+    assert decoded(client_got(wired))[1] == b"x" * 3000 + b"yy"
