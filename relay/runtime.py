@@ -80,9 +80,11 @@ class Inflight(Mapping[str, int]):
 
 
 class Relay:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, initial_tls: tuple[Path, Path] | None = None) -> None:
         self.config = config
-        self.initial_tls: tuple[Path, Path] | None = None  # see serve()
+        # A restarted worker's copy of the TLS pair its siblings serve: loaded by start()
+        # instead of the configured files, then deleted (relay.worker_config).
+        self.initial_tls = initial_tls
         self._decisions = DecisionMemory()
         self._settings = config.settings()
         self.allowed_cidrs = config.allowed_cidrs()
@@ -443,6 +445,4 @@ async def serve(config: Config, tls_files: tuple[Path, Path] | None = None) -> N
     of the configured files and then deleted (``relay.worker_config``)."""
     from relay.lifecycle import Lifecycle  # noqa: PLC0415 - lifecycle builds on this module
 
-    relay = Relay(config)
-    relay.initial_tls = tls_files
-    await Lifecycle(relay).run()
+    await Lifecycle(Relay(config, initial_tls=tls_files)).run()

@@ -113,8 +113,7 @@ async def test_a_restarted_worker_renews_its_certificate_as_its_siblings_do(
     saved = effective_config({WORKER_ENV: "1", RUN_DIR_ENV: str(run_dir)}, str(config_file))
     assert saved is not None
     assert saved.tls_files is not None
-    restarted = Relay(saved.config)
-    restarted.initial_tls = saved.tls_files
+    restarted = Relay(saved.config, initial_tls=saved.tls_files)
     await restarted.start()
     try:
         assert not any(path.exists() for path in saved.tls_files)  # copies for one load
