@@ -50,42 +50,44 @@ async def _exit_code(relay: RelayProcess, within: float) -> int | None:
     return proc.returncode
 
 
-async def test_a_sighup_during_the_drain_is_ignored(tmp_path: Path) -> None:
-    upstream = await _streaming_upstream(30)
+async def _two_signals(
+    tmp_path: Path,
+    events: int,
+    drain_s: int,
+    signals: tuple[signal.Signals, signal.Signals],
+    exit_within_s: float,
+) -> tuple[bytes, int | None, str]:
+    """A stream of ``events`` through a single relay, two signals 0.3 s apart: what the
+    client got, the exit code (waited for up to ``exit_within_s``) and relay's output."""
+    first, second = signals
+    upstream = await _streaming_upstream(events)
     try:
-        overrides = {"process": {"drain_timeout_s": 10}}
+        overrides = {"process": {"drain_timeout_s": drain_s}}
         with relay_process(tmp_path, [route("sbx1", insecure=True)], overrides) as relay:
             conn = await _streaming(relay, upstream)
             assert relay.proc is not None
-            relay.proc.send_signal(signal.SIGTERM)  # the drain starts; the stream goes on
+            relay.proc.send_signal(first)  # the drain starts
             await asyncio.sleep(0.3)
-            relay.proc.send_signal(signal.SIGHUP)  # systemctl reload, a logrotate hook
+            relay.proc.send_signal(second)
             streamed = await conn.read_response(5)
             await conn.close()
-            code = await _exit_code(relay, 10)
-            out = relay.output()
+            code = await _exit_code(relay, exit_within_s)
+            return streamed.body, code, relay.output()
     finally:
         await upstream.close()
-    assert streamed.body.count(b"event ") == 30, out[-2000:]
+
+
+async def test_a_sighup_during_the_drain_is_ignored(tmp_path: Path) -> None:
+    # systemctl reload, or a logrotate hook, while relay drains: the stream goes on.
+    body, code, out = await _two_signals(tmp_path, 30, 10, (signal.SIGTERM, signal.SIGHUP), 10)
+    assert body.count(b"event ") == 30, out[-2000:]
     assert code == 0, out[-2000:]
     assert "SIGHUP ignored: relay is draining" in out
 
 
 async def test_a_second_sigint_cuts_the_drain_short(tmp_path: Path) -> None:
-    upstream = await _streaming_upstream(200)
-    try:
-        overrides = {"process": {"drain_timeout_s": 20}}
-        with relay_process(tmp_path, [route("sbx1", insecure=True)], overrides) as relay:
-            conn = await _streaming(relay, upstream)
-            assert relay.proc is not None
-            relay.proc.send_signal(signal.SIGINT)  # Ctrl-C: the drain starts
-            await asyncio.sleep(0.3)
-            relay.proc.send_signal(signal.SIGINT)  # and again: cut it short
-            code = await _exit_code(relay, 5)
-            out = relay.output()
-            await conn.close()
-    finally:
-        await upstream.close()
+    # Ctrl-C, and again: the drain of a 10 s stream is cut short.
+    _, code, out = await _two_signals(tmp_path, 200, 20, (signal.SIGINT, signal.SIGINT), 5)
     assert code == 0, out[-2500:]
     assert "Traceback" not in out, out[-2500:]
 
