@@ -33,7 +33,8 @@ FLUSH_S = 1.0  # time given to the last close frames and answers to reach the pe
 
 
 def busy(conn: ClientConnection) -> bool:
-    return conn.active is not None or conn.splice is not None or bool(conn.queue)
+    # A rest of a sliced read (relay.slices) may hold requests relay has not parsed yet.
+    return conn.active is not None or conn.splice is not None or bool(conn.queue or conn.unparsed)
 
 
 def close_idle(relay: Relay) -> int:

@@ -22,6 +22,15 @@ PAUSE_DIAL = 2  # the active exchange waits for its upstream connection
 PAUSE_QUEUE = 4  # pipelined requests wait behind the active exchange
 PAUSE_UPGRADE = 8  # a WebSocket handshake is in flight
 PAUSE_CLIENT_FULL = 16  # the client does not read what relay answers it (see pause_writing)
+PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn first
+
+# A client read from which llhttp delivered more than YIELD_EVENTS request heads and body
+# pieces (a chunked body of tiny chunks, pipelined requests relay answers itself) pauses that
+# client until the event loop's next turn. libuv reads a socket that fills its buffer up to
+# 32 times in a row before it polls the others: a chunked upload of 1-byte chunks held the loop
+# for 0.6-7 s at a time, every other client waiting (measured; README "Decisions"). An ordinary
+# upload, whose reads are a few pieces each, still reads on.
+YIELD_EVENTS = 128
 
 # A read that llhttp parses inside a response body (chunked, or one that ends at close) is
 # fed to it in a first slice of FLOOD_SLICE bytes; when that slice held more than
@@ -29,8 +38,8 @@ PAUSE_CLIENT_FULL = 16  # the client does not read what relay answers it (see pa
 # for the next turn of the event loop, the upstream unread meanwhile (relay.response). llhttp
 # calls Python once per chunk, and a response of 1-byte chunks cost ~50 ms per 256 KiB read,
 # during which relay served no one else (found by review for WebSocket frames; the same held
-# for chunks). Legitimate chunks are far larger. Request bodies are not sliced yet (README,
-# "Decisions": a first attempt was reverted after review).
+# for chunks). Legitimate chunks are far larger. Request bodies are not sliced (README,
+# "Decisions": a first attempt was reverted after review); their reads yield (YIELD_EVENTS).
 FLOOD_SLICE = 8 * 1024
 FLOOD_PIECES = 128
 

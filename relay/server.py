@@ -13,7 +13,8 @@ Flow per connection: ``data_received`` → llhttp → ``on_headers_complete`` ma
 Pipelined requests (RFC 9112 §9.3.2) wait in a queue, reading is paused meanwhile, and they
 are answered in order. The class has two bases that hold the rest of it: how a connection
 ends (refusals, the lingering close, aborts), :class:`relay.closing.Closing`, and a request
-body passed on without llhttp once its length is known, :class:`relay.bodies.RequestBodies`.
+body passed on without llhttp once its length is known, :class:`relay.bodies.RequestBodies`,
+and dense reads fed in slices with turns for the others between them, :class:`relay.slices.Slices`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from relay.bodies import RequestBodies
 from relay.core.model import Reason, Reject, RequestHead
-from relay.flow import PAUSE_CLIENT_FULL, PAUSE_QUEUE, PAUSE_UPGRADE
+from relay.flow import FLOOD_SLICE, PAUSE_CLIENT_FULL, PAUSE_QUEUE, PAUSE_UPGRADE, YIELD_EVENTS
 from relay.forward import Exchange
 from relay.heads import KNOWN_HEAD_BYTES, REQUESTS, KnownRequest, remember
+from relay.slices import Slices
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.server")
 
 
-class ClientConnection(RequestBodies, asyncio.Protocol):
+class ClientConnection(Slices, asyncio.Protocol):
     __slots__ = (
         "_at_start",
         "_head_bytes",
@@ -85,6 +86,13 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         self._lingering = 0.0  # time.monotonic() when a lingering close began (close())
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
         self._stalled = 0  # bytes fed since llhttp last delivered any of those
+        self._pieces: list[bytes] = []
+        self._read_pieces = 0
+        self._rest = b""  # relay.slices
+        self._sliced = False
+        self._slicing: tuple[bytes, int] | None = None
+        self._dense = False
+        self._yielding = False
         self._paused = 0
         self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
         self._starting = False  # exchange_finished is starting queued exchanges
@@ -115,6 +123,9 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         relay.timers.expect_head(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._rest:
+            self._rest += data  # after the rest of a sliced read, in order (relay.slices)
+            return
         if self.splice is not None:
             self.splice.client_data(data)
             return
@@ -124,9 +135,19 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
             # close reads on (and drops) what the client still sends.
             if self._lingering:
                 self._still_sending()
+            elif self._paused & PAUSE_UPGRADE and not self.closing:
+                # More bytes after a handshake, fed in the same turn (the TLS hand-over's
+                # early reads): the WebSocket's too, after the first (found by the property
+                # test of relay.slices; they were dropped).
+                exchange = self.queue[-1] if self.queue else self.active
+                if exchange is not None:
+                    exchange.client_tail(data)
             return
         if self._body_left:
             self._pass_body(data)
+            return
+        if self._sliced and len(data) > FLOOD_SLICE:
+            self._slices(data)
             return
         if self._in_head or not self._mid_message:
             # A head, or a read that may begin one (also while a response runs); never a
@@ -142,17 +163,26 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
                 return
             if len(data) <= KNOWN_HEAD_BYTES and data.find(b"\r\n\r\n") == len(data) - 4:
                 self._key = data
+        self._read_pieces = 0
+        requests = self.requests
         try:
-            parser.feed_data(data)
+            try:
+                parser.feed_data(data)
+            finally:
+                # Before anything else is done with this read (a refusal, an upgrade): the
+                # order in which the pieces came (relay.bodies).
+                self._deliver()
             key, seen = self._key, self._seen
             if key is not None and seen is not None and self._at_start:
                 # llhttp ended the request with its head and waits for another (a refusal
                 # before the body, which closes, leaves _at_start unset: found by review).
                 remember(REQUESTS, key, seen, len(seen.headers))
+            if self._read_pieces + self.requests - requests > YIELD_EVENTS:
+                self._dense_read()
         except httptools.HttpParserUpgrade as upgrade:
             self.parser = None
             self._mid_message = False  # what follows the handshake is not HTTP
-            self._upgrade_requested(data[upgrade.args[0] :])
+            self._upgrade_requested(data[upgrade.args[0] :] + self._upgrade_tail())
             return
         except httptools.HttpParserCallbackError as exc:
             # One of relay's own callbacks raised: a bug, not a bad request.
@@ -202,6 +232,7 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
+        self._rest = b""
         self.relay.timers.forget(self)
         self.relay.release_connection(self)
         if self.splice is not None:
@@ -344,6 +375,7 @@ class ClientConnection(RequestBodies, asyncio.Protocol):
         self._moved = True
         self._mid_message = False
         self._at_start = self._keep
+        self._deliver()  # the body's last pieces before its end
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
             receiving.request_done()

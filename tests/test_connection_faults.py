@@ -351,3 +351,20 @@ def test_a_head_relay_stopped_reading_gets_no_408(
     wired.relay.timers.sweep()
     wired.turns.end()
     assert b" 408 " not in wired.client_transport.data
+
+
+def test_bytes_after_a_handshake_in_a_second_read_of_one_turn_reach_the_websocket(
+    wired: Wired,
+) -> None:
+    """The TLS hand-over feeds the reads that came before it in a row, without the pause a
+    handshake sets (relay.handshake): a second read after the handshake's was dropped (found
+    by the property test of relay.slices)."""
+    frame = b"\x81\x85\0\0\0\0hello"
+    wired.client.data_received(HANDSHAKE + frame)
+    wired.client.data_received(frame * 2)
+    wired.turns.end()
+    wired.upstream.data_received(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+    wired.turns.end()
+    assert wired.upstream_transport.data.endswith(b"\r\n\r\n" + frame * 3)

@@ -1,0 +1,349 @@
+"""Dense client reads (relay.slices, relay.bodies): the pieces llhttp hands over from one read
+go upstream as one chunk; a read of more than YIELD_EVENTS heads and pieces pauses the client
+for a turn of the loop, and the connection's later large reads are fed in slices of
+FLOOD_SLICE bytes, the rest of a read waiting for the next turn after a dense slice.
+
+Measured before these (tests note it, bench/README.md has the numbers): a chunked upload of
+1-byte chunks held relay's loop for seconds, a GET beside it waiting 6.9 s.
+
+The property test feeds random request streams (tiny and larger chunks, Content-Length
+bodies, a WebSocket handshake with bytes after it, a malformed request, reads that come
+within one turn as the TLS hand-over feeds them, a FIN) with and without slicing, and
+compares what the upstream and the client get.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relay import drain, flow, server
+from relay.upstreams import PoolKey, UpstreamConnection
+from tests.support.wired import DOMAIN, RESPONSE, Recorder, Wired, make_wired
+
+HOST = f"3000-sbx.{DOMAIN}"
+HEAD = f"POST /up HTTP/1.1\r\nHost: {HOST}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+HANDSHAKE = (
+    f"GET /ws HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+).encode()
+SWITCHED = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+TAIL = b"\x81\x85\0\0\0\0hello" * 2000  # WebSocket frames sent right after the handshake
+MALFORMED = b"GET /bad HTTP/1.1\r\nHost: " + HOST.encode() + b"\r\nX-A: a\r\n b\r\n\r\n"
+
+
+def chunks(size: int, count: int, fill: bytes = b"x") -> bytes:
+    return (b"%x\r\n" % size + fill * size + b"\r\n") * count
+
+
+def reading(wired: Wired) -> bool:
+    return wired.client_transport.reading  # a call: mypy would narrow an attribute
+
+
+def unparsed(wired: Wired) -> bool:
+    return wired.client.unparsed  # a call, as reading()
+
+
+def upstream_got(wired: Wired) -> bytes:
+    return wired.upstream_transport.data
+
+
+def pooled(wired: Wired, count: int) -> None:
+    """``count`` more idle upstream connections in the pool, recording into the first one's
+    events: an exchange that starts while the one before it still holds its connection (the
+    response ended within llhttp's feed) takes one of these, and what each is sent shows in
+    the order it was sent."""
+    for _ in range(count):
+        conn = UpstreamConnection(wired.relay.pool, PoolKey("sbx", 0, "127.0.0.1", 3000))
+        transport = Recorder(("127.0.0.1", 3000))
+        transport.events = wired.upstream_transport.events
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        wired.relay.pool.release(conn)
+
+
+def answer(wired: Wired) -> bool:
+    """Answer the active exchange from its upstream connection; whether there was one."""
+    active = wired.client.active
+    if active is None or active.upstream is None:
+        return False
+    active.upstream.data_received(SWITCHED if active.head.upgrade else RESPONSE)
+    wired.turns.end()
+    return True
+
+
+def run_turns(wired: Wired, limit: int = 1000) -> int:
+    """Run the loop's pending callbacks one at a time; how many ran."""
+    turns = 0
+    while wired.turns.pending and turns < limit:
+        wired.turns.pending.pop(0)()
+        turns += 1
+    return turns
+
+
+def meaning(stream: bytes) -> list[bytes]:
+    """Request heads, their bodies' payloads and what follows an upgrade: what a stream sent
+    upstream means, whatever its chunk boundaries (which depend on where reads end)."""
+    out: list[bytes] = []
+    pos = 0
+    while pos < len(stream):
+        end = stream.index(b"\r\n\r\n", pos) + 4
+        head = stream[pos:end]
+        out.append(head)
+        pos = end
+        fields = head.lower()
+        if b"upgrade: websocket" in fields:
+            out.append(stream[pos:])  # the WebSocket's bytes, raw
+            break
+        if b"transfer-encoding: chunked" in fields:
+            body = b""
+            while True:
+                line_end = stream.index(b"\r\n", pos)
+                size = int(stream[pos:line_end], 16)
+                pos = line_end + 2
+                body += stream[pos : pos + size]
+                pos += size + 2
+                if not size:
+                    break
+            out.append(body)
+        elif b"content-length: " in fields:
+            length = int(fields.split(b"content-length: ")[1].split(b"\r\n")[0])
+            out.append(stream[pos : pos + length])
+            pos += length
+    return out
+
+
+# -- one read: its pieces as one chunk, and a turn for the others ----------------------------
+def test_the_pieces_of_one_read_go_upstream_as_one_chunk(tmp_path: Path) -> None:
+    """Before: one upstream write per piece, 43,000 per 256 KiB read of 1-byte chunks."""
+    wired = make_wired(tmp_path, busy=1 << 30)  # writes not held: seen as they are made
+    wired.client.data_received(HEAD)
+    wired.turns.end()
+    writes = len(wired.upstream_transport.events)
+    wired.client.data_received(chunks(1, 100) + chunks(5, 3, b"y"))
+    assert wired.upstream_transport.events[writes:] == [
+        ("write", b"73\r\n" + b"x" * 100 + b"y" * 15 + b"\r\n")
+    ]
+    writes = len(wired.upstream_transport.events)
+    wired.client.data_received(chunks(3, 2, b"z"))  # a few pieces go as they are, uncopied
+    assert wired.upstream_transport.events[writes:] == [("write", b"3\r\nzzz\r\n")] * 2
+
+
+def test_a_dense_read_gives_the_others_a_turn(tmp_path: Path) -> None:
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD)
+    wired.turns.end()
+    wired.client.data_received(chunks(1, flow.YIELD_EVENTS + 1))
+    assert not reading(wired)  # until the loop's next turn
+    wired.turns.end()
+    assert reading(wired)
+
+
+def test_an_ordinary_read_reads_on(tmp_path: Path) -> None:
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD)
+    wired.turns.end()
+    body = chunks(4096, 60)  # 240 KiB in 60 pieces
+    wired.client.data_received(body)
+    assert reading(wired)
+    assert not wired.client._sliced
+    assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1] == b"x" * 4096 * 60
+
+
+# -- a sliced connection ----------------------------------------------------------------------
+def sliced(tmp_path: Path) -> Wired:
+    """A connection whose upload began with a dense read: its large reads are sliced."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD + chunks(1, flow.YIELD_EVENTS + 1))
+    wired.turns.end()
+    assert wired.client._sliced
+    assert reading(wired)
+    return wired
+
+
+def test_a_sliced_connections_dense_read_is_fed_over_several_turns(tmp_path: Path) -> None:
+    wired = sliced(tmp_path)
+    before = len(upstream_got(wired))
+    flood = chunks(1, 10_000)  # 60,000 bytes: 8 slices of at most 8 KiB
+    wired.client.data_received(flood)
+    assert not reading(wired)  # the rest waits, the client unread
+    assert 0 < upstream_got(wired)[before:].count(b"x") <= flow.FLOOD_SLICE // 6 + 1
+    assert unparsed(wired)
+    turns = run_turns(wired)
+    assert turns >= len(flood) // flow.FLOOD_SLICE
+    assert reading(wired)
+    assert meaning(HEAD + upstream_got(wired)[len(HEAD) :] + b"0\r\n\r\n")[1] == b"x" * 10_129
+
+
+def test_a_flood_behind_an_ordinary_first_slice_is_sliced_too(tmp_path: Path) -> None:
+    """Found by review of the first attempt: one ordinary 8 KiB slice let the rest of the read
+    be fed whole, however dense."""
+    wired = sliced(tmp_path)
+    before = len(upstream_got(wired))
+    wired.client.data_received(chunks(16 * 1024, 1, b"o") + chunks(1, 10_000))
+    assert not reading(wired)
+    assert upstream_got(wired)[before:].count(b"x") < 2 * flow.FLOOD_SLICE // 6
+    assert run_turns(wired) >= 5
+    assert upstream_got(wired)[before:].count(b"x") == 10_000
+
+
+def test_an_upgrade_in_a_later_slice_takes_the_rest_of_the_read(tmp_path: Path) -> None:
+    """Found by review of the first attempt: the bytes after a handshake past its slice were
+    lost."""
+    wired = sliced(tmp_path)
+    pooled(wired, 1)
+    wired.client.data_received(chunks(1, 2000) + b"0\r\n\r\n" + HANDSHAKE + TAIL)
+    run_turns(wired)
+    assert answer(wired)  # the upload's
+    assert answer(wired)  # the handshake's: 101
+    got = upstream_got(wired)
+    assert got.endswith(b"\r\n\r\n" + TAIL)  # the handshake (as relay writes it), then the tail
+    assert got.rindex(b"GET /ws ") > got.rindex(b"0\r\n\r\n")
+
+
+def test_a_refusal_in_a_slice_lingers_reading(tmp_path: Path) -> None:
+    """Found by review of the first attempt: a lingering close left the client unread."""
+    wired = sliced(tmp_path)
+    wired.client.data_received(b"zz\r\n" + chunks(1, 5000))  # a bad chunk size: 400
+    run_turns(wired)
+    assert wired.client_transport.data.startswith(b"HTTP/1.1 400 ")
+    assert wired.client._lingering
+    assert reading(wired)  # reads on and drops what the client still sends
+    assert not unparsed(wired)
+
+
+def test_reads_within_one_turn_and_a_fin_keep_their_order(tmp_path: Path) -> None:
+    """The TLS hand-over feeds its early reads in a row, then the FIN (relay.handshake). Found
+    by review of the first attempt: the second read went before the rest of the first."""
+    wired = sliced(tmp_path)
+    wired.client.data_received(chunks(1, 5000))
+    assert unparsed(wired)
+    wired.client.data_received(chunks(1, 3, b"y") + b"0\r\n\r\n")
+    wired.client.eof_received()
+    assert not unparsed(wired)
+    wired.turns.end()
+    body = meaning(upstream_got(wired))[1]
+    assert body == b"x" * (flow.YIELD_EVENTS + 1 + 5000) + b"yyy"
+    assert wired.client.receiving is None  # the request ended before the FIN
+
+
+def test_a_lost_client_drops_the_rest(tmp_path: Path) -> None:
+    wired = sliced(tmp_path)
+    wired.client.data_received(chunks(1, 5000))
+    wired.client.connection_lost(None)
+    assert not unparsed(wired)
+    wired.turns.end()  # the continuation finds nothing to feed
+
+
+# -- slicing is invisible ---------------------------------------------------------------------
+Recipe = tuple[tuple[tuple[str, tuple[tuple[int, int], ...]], ...], str, tuple[int, ...], bytes]
+
+CHUNK_RUNS = [(1, 3000), (1, 500), (2, 1500), (3, 10), (50, 300), (3000, 5)]
+ENDINGS = {"none": b"", "upgrade": HANDSHAKE + TAIL, "malformed": MALFORMED + chunks(1, 2000)}
+
+
+@st.composite
+def recipes(draw: st.DrawFn) -> Recipe:
+    """Requests (each a kind and its chunk runs or body size), how the stream ends, where it
+    is cut into reads, and a bit per read: whether a turn of the loop follows it (bit 0 of
+    the last byte: whether the client sends a FIN). Small to print: see stream()."""
+    requests = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["chunked", "chunked", "length", "get"]))
+        if kind == "chunked":
+            runs = tuple(draw(st.lists(st.sampled_from(CHUNK_RUNS), max_size=5)))
+        else:
+            runs = ((draw(st.sampled_from([0, 10, 9000, 40_000])), 0),)
+        requests.append((kind, runs))
+    ending = draw(st.sampled_from(sorted(ENDINGS)))
+    cuts = tuple(draw(st.lists(st.integers(0, 200_000), max_size=5)))
+    return tuple(requests), ending, cuts, draw(st.binary(min_size=1, max_size=2))
+
+
+def stream(recipe: Recipe) -> tuple[list[tuple[bytes, bool]], bool]:
+    """The reads a recipe stands for, each with whether a turn follows it; whether a FIN
+    follows them."""
+    requests, ending, cuts, bits = recipe
+    data = b""
+    for kind, runs in requests:
+        if kind == "chunked":
+            body = b"".join(chunks(size, count, b"y") for size, count in runs)
+            data += HEAD + body + b"0\r\n\r\n"
+        elif kind == "length":
+            size = runs[0][0]
+            data += b"POST /cl HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n" % (
+                HOST.encode(),
+                size,
+            )
+            data += b"c" * size
+        else:
+            data += f"GET /g HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    data += ENDINGS[ending]
+    bounds = [0, *sorted({cut % (len(data) + 1) for cut in cuts}), len(data)]
+    turns = int.from_bytes(bits, "big")
+    reads = [
+        (data[a:b], bool(turns >> number & 2))
+        for number, (a, b) in enumerate(itertools.pairwise(bounds))
+        if b > a
+    ]
+    return reads, bool(turns & 1)
+
+
+def serve(tmp_path: Path, reads: list[tuple[bytes, bool]], fin: bool) -> list[Any]:
+    tmp_path.mkdir()
+    wired = make_wired(tmp_path)
+    pooled(wired, 4)
+    for data, turn in reads:
+        wired.client.data_received(data)
+        if turn:
+            wired.turns.end()
+    if fin:
+        wired.client.eof_received()
+    wired.turns.end()
+    for _ in range(5):  # answer each request in turn
+        if not answer(wired):
+            break
+    others = [event for event in wired.upstream_transport.events if event[0] != "write"]
+    client = [event for event in wired.client_transport.events if event[0] != "write"]
+    return [
+        meaning(upstream_got(wired)),
+        others,
+        wired.client_transport.data,
+        client,
+        wired.client.requests,
+        reading(wired),
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(recipe=recipes())
+def test_slicing_is_invisible(tmp_path_factory: pytest.TempPathFactory, recipe: Recipe) -> None:
+    reads, fin = stream(recipe)
+    base = tmp_path_factory.mktemp("slices")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flow, "YIELD_EVENTS", 0)  # every connection sliced from its first read
+        patch.setattr(server, "YIELD_EVENTS", 0)
+        got = serve(base / "sliced", reads, fin)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server, "FLOOD_SLICE", 1 << 40)
+        whole = serve(base / "whole", reads, fin)
+    assert got == whole
+
+
+def test_a_rest_waiting_keeps_the_connection_busy_in_a_drain(tmp_path: Path) -> None:
+    """A drain closes idle connections: a rest not parsed yet may hold requests."""
+    wired = sliced(tmp_path)
+    wired.client.data_received(b"0\r\n\r\n")  # the upload ends: no exchange runs
+    wired.upstream.data_received(RESPONSE)
+    wired.turns.end()
+    assert not drain.busy(wired.client)
+    # Requests relay answers itself (no such sandbox): none is left running.
+    unknown = f"GET /g HTTP/1.1\r\nHost: 3000-nosuch.{DOMAIN}\r\n\r\n".encode()
+    wired.client.data_received(unknown * 400)
+    assert wired.client.active is None
+    assert unparsed(wired)
+    assert drain.busy(wired.client)
