@@ -33,9 +33,11 @@ PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn f
 YIELD_EVENTS = 128
 
 # A read that llhttp parses inside a response body (chunked, or one that ends at close) is
-# fed to it in a first slice of FLOOD_SLICE bytes; when that slice held more than
-# FLOOD_PIECES body pieces (chunks of under 64 bytes on average), the rest of the read waits
-# for the next turn of the event loop, the upstream unread meanwhile (relay.response). llhttp
+# fed to it in slices of FLOOD_SLICE bytes when its first slice is dense with chunk lines or
+# an earlier read of the connection was a flood; after a slice of more than FLOOD_PIECES body
+# pieces (chunks of under 64 bytes on average), the rest of the read waits for the next turn
+# of the event loop, the upstream unread meanwhile (relay.response). A read fed whole that
+# held more than FLOOD_PIECES pieces gives the others a turn all the same. llhttp
 # calls Python once per chunk, and a response of 1-byte chunks cost ~50 ms per 256 KiB read,
 # during which relay served no one else (found by review for WebSocket frames; the same held
 # for chunks). Legitimate chunks are far larger. Request bodies are not sliced (README,

@@ -54,7 +54,7 @@ MANAGEMENT = Kind.MANAGEMENT
 
 
 class Exchange(Respond):
-    __slots__ = ("_discarded", "_flood_rest", "_retried", "_reused", "_tail")
+    __slots__ = ("_discarded", "_flood_rest", "_flood_waits", "_retried", "_reused", "_tail")
 
     def __init__(self, client: Client, head: RequestHead, *, keep_alive: bool) -> None:
         self.client = client
@@ -68,6 +68,7 @@ class Exchange(Respond):
         self._discarded = 0
         self._tail = b""  # bytes the client sent after a WebSocket handshake
         self._flood_rest = b""  # the rest of an upstream read of tiny chunks (upstream_data)
+        self._flood_waits = False  # the upstream is unread until _flood_continue runs
         self._dial_task: asyncio.Task[None] | None = None
         # Response bytes produced while llhttp parses one upstream read, written to the client
         # in one writev when the read is done: a small response costs one syscall, not three.
@@ -243,7 +244,7 @@ class Exchange(Respond):
             self.upstream.pause_reading()
 
     def client_resume_writing(self) -> None:
-        if self.upstream is not None and not self._flood_rest:
+        if self.upstream is not None and not self._flood_waits:
             self.upstream.resume_reading()
 
     # -- upstream side (Owner protocol) -----------------------------------------------------
@@ -253,21 +254,25 @@ class Exchange(Respond):
             if reader.at_chunk and self._whole_chunk(data):
                 return
             rest = reader.feed(data)
-            if rest:
-                # A flood of tiny chunks (relay.flow.FLOOD_SLICE): the rest of the read in the
-                # next turn, the upstream unread meanwhile.
-                pending = bool(self._flood_rest)
+            if reader.dense:
+                # A flood of tiny chunks (relay.flow.FLOOD_SLICE): the rest of the read, if
+                # any, in the next turn, the upstream unread meanwhile (libuv would read it
+                # up to 32 times in a row).
+                pending = self._flood_waits
                 self._flood_rest += rest  # before scheduling: an unbound outbox runs it at once
                 if not pending and self.upstream is not None:
+                    self._flood_waits = True
                     self.upstream.pause_reading()
                     self.client.relay.outbox.later(self._flood_continue)
 
     def _flood_continue(self) -> None:
+        self._flood_waits = False
         rest, self._flood_rest = self._flood_rest, b""
         if self.reader is None or self.state is not STREAMING or self.upstream is None:
             return  # cut or ended meanwhile: what was left of the read goes with it
-        self.upstream_data(rest)
-        if not self._flood_rest and self.upstream is not None and not self.client.write_paused:
+        if rest:
+            self.upstream_data(rest)
+        if not self._flood_waits and self.upstream is not None and not self.client.write_paused:
             self.upstream.resume_reading()
 
     def upstream_eof(self) -> None:

@@ -133,8 +133,10 @@ class ResponseReader:
         "_reason",
         "_release",
         "_seen",
+        "_sliced",
         "_stalled",
         "at_chunk",
+        "dense",
         "feeding",
         "interim",
         "parser",
@@ -150,6 +152,8 @@ class ResponseReader:
         # upstream repeats its head (until its Date changes), compared then instead of hashed.
         self._last: tuple[bytes, KnownResponse] | None = None
         self.feeding = False  # inside feed(): llhttp is parsing one upstream read
+        self.dense = False  # the last read fed was a flood of tiny chunks (feed)
+        self._sliced = False  # a read of this connection was: its large reads are sliced
         self.bind(owner)
 
     def bind(self, owner: Events) -> None:
@@ -213,26 +217,29 @@ class ResponseReader:
 
     def feed(self, data: bytes) -> bytes:
         """One upstream read; returns what is left of it for the next turn of the loop (the
-        rest of a flood of tiny chunks, relay.flow.FLOOD_SLICE), else b""."""
+        rest of a flood of tiny chunks, relay.flow.FLOOD_SLICE), else b"". ``dense`` tells
+        whether this read was a flood: the exchange then gives the others a turn."""
         self.feeding = True
+        self.dense = False
         try:
             if (
                 len(data) > FLOOD_SLICE
                 and self._in_body
                 and self._body_left <= 0
-                # Each chunk has two CRLFs: counting them in the first slice (a scan in C,
-                # ~1 µs) tells a flood from ordinary chunks before any copy; an ordinary read
-                # stays one feed and one client write (found by review: slicing every large
-                # read cost a copy and a second writev).
-                and data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES
+                # A connection that sent a flood before is sliced from then on. Else each
+                # chunk has two CRLFs: counting them in the first slice (a scan in C, ~1 µs)
+                # tells a flood from ordinary chunks before any copy; an ordinary read stays
+                # one feed and one client write (found by review: slicing every large read
+                # cost a copy and a second writev).
+                and (self._sliced or data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES)
             ):
-                self.pieces = 0
-                self._feed(data[:FLOOD_SLICE])
-                rest = data[FLOOD_SLICE:]
-                if self.pieces > FLOOD_PIECES and self._in_body and self.parser is not None:
-                    return rest
-                data = rest  # not a flood (or it ended): the rest as read
+                return self._slices(data)
+            self.pieces = 0
             self._feed(data)
+            if self.pieces > FLOOD_PIECES:
+                # A flood behind an ordinary first slice, or in a read of at most 8 KiB: fed
+                # whole this once, and this connection's later reads are sliced.
+                self._sliced = self.dense = True
             return b""
         finally:
             self.feeding = False
@@ -244,6 +251,26 @@ class ResponseReader:
                     conn.close()
                 else:
                     pool.release(conn)
+
+    def _slices(self, data: bytes) -> bytes:
+        """Feed a read a slice at a time until a slice holds more than FLOOD_PIECES pieces;
+        return the rest after it, or b"" once the body ends or leaves llhttp."""
+        end = 0
+        size = len(data)
+        while end < size:
+            start, end = end, end + FLOOD_SLICE
+            self.pieces = 0
+            self._feed(data[start:end])
+            if end >= size:
+                break
+            if not self._in_body or self.parser is None or self._body_left > 0:
+                self._feed(data[end:])  # the body ended (or went on without llhttp): as read
+                break
+            if self.pieces > FLOOD_PIECES:
+                self._sliced = self.dense = True
+                return data[end:]
+        self.dense = self.dense or self.pieces > FLOOD_PIECES
+        return b""
 
     def _feed(self, data: bytes) -> None:
         self.at_chunk = False

@@ -163,3 +163,45 @@ def test_a_flood_with_an_unbound_outbox_keeps_every_byte_in_order(tmp_path: Path
     wired.upstream.data_received(tiny_chunks(3000))
     wired.upstream.data_received(b"2\r\nyy\r\n")
     assert decoded(client_got(wired))[1] == b"x" * 3000 + b"yy"
+
+
+def streaming(tmp_path: Path) -> Wired:
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(CHUNKED)
+    wired.turns.end()
+    return wired
+
+
+def test_a_flood_behind_an_ordinary_first_slice_yields_then_is_sliced(tmp_path: Path) -> None:
+    """A read whose first 8 KiB is one ordinary chunk is fed whole, flood or not: when it was
+    a flood, the upstream waits a turn (libuv would read it up to 32 times in a row), and its
+    later large reads are sliced whatever their first 8 KiB holds."""
+    wired = streaming(tmp_path)
+    ordinary = b"4000\r\n" + b"o" * 0x4000 + b"\r\n"
+    wired.upstream.data_received(ordinary + tiny_chunks(3000))
+    assert not upstream_reading(wired)  # fed whole, then a turn for the others
+    assert decoded(client_got(wired))[1] == b"o" * 0x4000 + b"x" * 3000
+    wired.turns.end()
+    assert upstream_reading(wired)
+    wired.upstream.data_received(ordinary + tiny_chunks(10_000))
+    assert not upstream_reading(wired)
+    assert decoded(client_got(wired))[1].count(b"x") < 3000 + flow.FLOOD_SLICE // 6
+    turns = 0
+    while wired.turns.pending and turns < 100:
+        wired.turns.pending.pop(0)()
+        turns += 1
+    assert turns >= 10_000 * 6 // flow.FLOOD_SLICE
+    assert decoded(client_got(wired))[1].count(b"x") == 13_000
+    assert upstream_reading(wired)
+
+
+def test_a_small_read_of_tiny_chunks_yields(tmp_path: Path) -> None:
+    wired = streaming(tmp_path)
+    wired.upstream.data_received(tiny_chunks(flow.FLOOD_PIECES + 1))  # under 8 KiB
+    assert not upstream_reading(wired)
+    wired.turns.end()
+    assert upstream_reading(wired)
+    wired.upstream.data_received(tiny_chunks(flow.FLOOD_PIECES))
+    assert upstream_reading(wired)  # not dense: reads on
