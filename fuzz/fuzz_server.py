@@ -29,6 +29,7 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports(include=["relay"]):
+    from relay import server, slices
     from relay.config import parse
     from relay.core import headers as header_rules
     from relay.core import policy
@@ -267,9 +268,19 @@ def make_relay() -> Relay:
     relay = Relay(config)
     relay.install_routes(dict(ROUTES), "fuzz")
     relay.pool = FakePool(relay.outbox)  # type: ignore[assignment]
-    # No loop: the harness ends each turn itself. Every small write held: ordering fuzzed.
-    relay.outbox.bind(lambda callback: None, busy=0)
+    # No loop: the harness ends each turn itself and runs what was left for the next turn
+    # (LATER: a dense read's continuation). Every small write held: ordering fuzzed.
+    relay.outbox.bind(LATER.append, busy=0)
     return relay
+
+
+# Dense reads (relay.slices) at the sizes of fuzzed inputs: a read of more than 4 heads and
+# body pieces yields a turn, and later reads of its connection are fed in slices of 64 bytes
+# and up, so that slicing and its continuations are fuzzed too (a few KiB per input).
+LATER: list[Any] = []
+server.YIELD_EVENTS = 4
+server.FLOOD_SLICE = slices.FLOOD_SLICE = 64
+slices.FLOOD_SLICE_MAX = 256
 
 
 RELAY = make_relay()
@@ -286,6 +297,8 @@ def test_one_input(data: bytes) -> None:
     conn = ClientConnection(relay, tls=False)
     conn.connection_made(transport)  # type: ignore[arg-type]
     step = 1 + (sum(data) % 61)  # read sizes vary with the input, deterministically
+    if sum(data) % 5 == 0:
+        step = len(data) or 1  # one read: a dense one, sliced when it is not the first
     answer, then_close = ANSWERS[(sum(data) // 61) % len(ANSWERS)]
     requests = 0
     for start in range(0, len(data), step):
@@ -298,7 +311,11 @@ def test_one_input(data: bytes) -> None:
         moved = True
         while moved:
             relay.outbox.end_turn()
-            moved = False
+            moved = bool(LATER)
+            later = LATER[:]
+            LATER.clear()
+            for callback in later:
+                callback()
             for upstream in list(pool.made):
                 while upstream.pending and upstream.owner is not None and not upstream.closed:
                     moved = True
@@ -312,6 +329,10 @@ def test_one_input(data: bytes) -> None:
                         owner.upstream_lost(None)
     relay.outbox.end_turn()
     conn.connection_lost(None)
+    for callback in LATER:
+        callback()  # continuations after the loss find nothing to do
+    LATER.clear()
+    relay.outbox.end_turn()
     assert not relay.live, relay.live
     assert not relay.inflight, relay.inflight
     assert not relay.connections

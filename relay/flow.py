@@ -44,6 +44,11 @@ YIELD_EVENTS = 128
 # "Decisions": a first attempt was reverted after review); their reads yield (YIELD_EVENTS).
 FLOOD_SLICE = 8 * 1024
 FLOOD_PIECES = 128
+# A slice that was not dense is followed by one twice its size, up to FLOOD_SLICE_MAX: an
+# ordinary 256 KiB read of a sliced connection is 7 feeds (and writes), not 32 (found by
+# review: slicing every later read at 8 KiB tripled an ordinary upload's CPU), and a turn
+# still parses at most one dense slice of FLOOD_SLICE_MAX bytes (~11,000 1-byte chunks, ~2 ms).
+FLOOD_SLICE_MAX = 64 * 1024
 
 
 class Client(Protocol):

@@ -93,6 +93,8 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._slicing: tuple[bytes, int] | None = None
         self._dense = False
         self._yielding = False
+        self._feeding_rest = False
+        self._again = False
         self._paused = 0
         self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
         self._starting = False  # exchange_finished is starting queued exchanges
@@ -146,8 +148,8 @@ class ClientConnection(Slices, asyncio.Protocol):
         if self._body_left:
             self._pass_body(data)
             return
-        if self._sliced and len(data) > FLOOD_SLICE:
-            self._slices(data)
+        if self._sliced and len(data) > FLOOD_SLICE and self._slicing is None:
+            self._slices(data)  # (not a slice it feeds: those are fed as they are)
             return
         if self._in_head or not self._mid_message:
             # A head, or a read that may begin one (also while a response runs); never a
@@ -371,11 +373,13 @@ class ClientConnection(Slices, asyncio.Protocol):
         # The next head's bytes count from here (the limit and the 408 of a partial head,
         # relay.closing): not from its on_message_begin, which comes after data_received has
         # counted the read that begins it.
+        # The body's last pieces first, while the request is still in progress: one that
+        # goes past DISCARD_LIMIT closes with a lingering close (found by review).
+        self._deliver()
         self._head_raw = 0
         self._moved = True
         self._mid_message = False
         self._at_start = self._keep
-        self._deliver()  # the body's last pieces before its end
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
             receiving.request_done()

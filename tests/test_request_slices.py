@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import drain, flow, server
+from relay import drain, flow, respond, server
 from relay.upstreams import PoolKey, UpstreamConnection
 from tests.support.wired import DOMAIN, RESPONSE, Recorder, Wired, make_wired
 
@@ -347,3 +347,61 @@ def test_a_rest_waiting_keeps_the_connection_busy_in_a_drain(tmp_path: Path) -> 
     assert wired.client.active is None
     assert unparsed(wired)
     assert drain.busy(wired.client)
+
+
+# -- found by review ----------------------------------------------------------------------------
+def test_a_body_past_the_discard_limit_in_its_last_read_lingers(tmp_path: Path) -> None:
+    """The last pieces went on after the request was marked complete, so the close for a
+    body past DISCARD_LIMIT was a plain one (a reset for a client still sending)."""
+    wired = make_wired(tmp_path)
+    head = f"POST /n HTTP/1.1\r\nHost: 3000-nosuch.{DOMAIN}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    wired.client.data_received(head.encode())  # answered at once: no such sandbox
+    wired.turns.end()
+    body = chunks(4096, respond.DISCARD_LIMIT // 4096 + 2, b"z") + b"0\r\n\r\n"
+    wired.client.data_received(body + f"GET /g HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    wired.turns.end()
+    assert [kind for kind, _ in wired.client_transport.events] == ["write", "eof"]
+    assert wired.client._lingering
+
+
+def test_a_large_dense_read_on_an_unbound_outbox_does_not_nest(tmp_path: Path) -> None:
+    """An unbound outbox (a stopping relay, tests) runs a continuation at once: each dense
+    slice nested deeper, and 2.4 MB of 1-byte chunks reached the recursion limit."""
+    wired = sliced(tmp_path)
+    wired.relay.outbox.unbind()
+    wired.client.data_received(chunks(1, 400_000))
+    wired.client.data_received(b"0\r\n\r\n")
+    assert wired.client.receiving is None
+    assert meaning(upstream_got(wired))[1] == b"x" * (flow.YIELD_EVENTS + 1 + 400_000)
+    assert reading(wired)
+
+
+def test_a_bug_while_a_rest_is_fed_ends_the_connection_not_its_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception out of the continuation left the client paused for good (found by
+    review). Now it is relay's internal error, as a callback's: logged, answered, closed."""
+    wired = sliced(tmp_path)
+    wired.client.data_received(chunks(1, 5000))  # a rest waits for the next turn
+
+    def bug(self: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(type(wired.client), "_dense_read", bug)
+    wired.turns.end()
+    assert "internal error" in caplog.text
+    assert wired.client_transport.data.startswith(b"HTTP/1.1 500 ")
+    assert wired.client.closing
+    assert reading(wired)  # a lingering close reads on
+    assert not wired.turns.pending
+
+
+def test_a_sliced_connections_ordinary_read_is_a_few_feeds(tmp_path: Path) -> None:
+    """Slices double after each ordinary one (found by review: 256 KiB of 64 KiB chunks was
+    36 upstream writes at 8 KiB a slice)."""
+    wired = sliced(tmp_path)
+    writes = len(wired.upstream_transport.events)
+    wired.client.data_received(chunks(0x10000, 4, b"b"))
+    assert reading(wired)
+    assert len(wired.upstream_transport.events) - writes <= 12  # 7 slices, 4 chunks
+    assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1].count(b"b") == 0x40000
