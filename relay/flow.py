@@ -45,10 +45,12 @@ YIELD_EVENTS = 128
 FLOOD_SLICE = 8 * 1024
 FLOOD_PIECES = 128
 # A slice that was not dense is followed by one twice its size, up to FLOOD_SLICE_MAX: an
-# ordinary 256 KiB read of a sliced connection is 7 feeds (and writes), not 32 (found by
+# ordinary 256 KiB read of a sliced connection is 11 feeds (and writes), not 32 (found by
 # review: slicing every later read at 8 KiB tripled an ordinary upload's CPU), and a turn
-# still parses at most one dense slice of FLOOD_SLICE_MAX bytes (~11,000 1-byte chunks, ~2 ms).
-FLOOD_SLICE_MAX = 64 * 1024
+# still parses at most one dense slice of FLOOD_SLICE_MAX bytes per connection: ~5,500
+# 1-byte chunks, measured by review at ~0.75 ms of a request body and ~2.5 ms of a response
+# (whose pieces are framed for the client). 64 KiB measured twice that.
+FLOOD_SLICE_MAX = 32 * 1024
 
 
 class Client(Protocol):

@@ -275,7 +275,18 @@ class Exchange(Respond):
         if not self._flood_waits and self.upstream is not None and not self.client.write_paused:
             self.upstream.resume_reading()
 
+    def _flood_now(self) -> None:
+        """The upstream ended with part of its last read not fed yet (a flood's rest): feed it
+        now, whole, as the read would have been (found by review: a response the read
+        completed was cut)."""
+        rest, self._flood_rest = self._flood_rest, b""
+        reader = self.reader
+        while rest and reader is not None and self.reader is reader and self.state is STREAMING:
+            rest = reader.feed(rest)
+
     def upstream_eof(self) -> None:
+        if self._flood_rest:
+            self._flood_now()
         if self.state is not STREAMING:
             return
         reader = self.reader
@@ -294,6 +305,8 @@ class Exchange(Respond):
 
     def upstream_lost(self, exc: Exception | None) -> None:
         self.upstream = None
+        if self._flood_rest:
+            self._flood_now()
         if self.state is not STREAMING:
             return
         if not self.response_complete:

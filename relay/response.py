@@ -224,14 +224,17 @@ class ResponseReader:
         try:
             if (
                 len(data) > FLOOD_SLICE
-                and self._in_body
                 and self._body_left <= 0
-                # A connection that sent a flood before is sliced from then on. Else each
-                # chunk has two CRLFs: counting them in the first slice (a scan in C, ~1 µs)
-                # tells a flood from ordinary chunks before any copy; an ordinary read stays
-                # one feed and one client write (found by review: slicing every large read
-                # cost a copy and a second writev).
-                and (self._sliced or data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES)
+                # A connection that sent a flood before is sliced from then on, its next
+                # response's first read too (found by review). Else each chunk has two CRLFs:
+                # counting them in the first slice (a scan in C, ~1 µs) tells a flood from
+                # ordinary chunks before any copy; an ordinary read stays one feed and one
+                # client write (found by review: slicing every large read cost a copy and a
+                # second writev).
+                and (
+                    self._sliced
+                    or (self._in_body and data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES)
+                )
             ):
                 return self._slices(data)
             self.pieces = 0
@@ -266,8 +269,19 @@ class ResponseReader:
             self._feed(data[start:end])
             if end >= size:
                 break
-            if not self._in_body or self.parser is None or self._body_left > 0:
-                self._feed(data[end:])  # the body ended (or went on without llhttp): as read
+            if self._ended or self._extra:
+                # The response is complete: what follows can only be dropped, and the
+                # connection not reused, which llhttp would tell only after calling relay
+                # three times per chunk of it (found by review). Line ends llhttp skips
+                # between messages leave the connection reusable, as in a whole read.
+                if data[end:].strip(b"\r\n"):
+                    self._extra = True
+                    conn = self._owner.upstream
+                    if conn is not None:
+                        conn.close()
+                break
+            if self.parser is None or self._body_left > 0:
+                self._feed(data[end:])  # the body went on without llhttp: as read
                 break
             if self.pieces > FLOOD_PIECES:
                 self._sliced = self.dense = True
@@ -456,6 +470,7 @@ class ResponseReader:
         if 100 <= status < 200 and status != 101:
             # An interim response (RFC 9110 §15.2): the final one follows on the same parser.
             self.interim = True
+            self.pieces += 1  # a flood of them is a flood too (found by review)
             # RFC 9112 §9.6: the close option ends the connection after the final response.
             self._closing = self._closing or not parser.should_keep_alive()
             owner.response_interim(status, self._reason, headers)

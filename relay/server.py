@@ -125,7 +125,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         relay.timers.expect_head(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._rest:
+        if self._rest and not self.closing:
             self._rest += data  # after the rest of a sliced read, in order (relay.slices)
             return
         if self.splice is not None:

@@ -90,13 +90,15 @@ class Slices(RequestBodies):
                 # Refused, closing, or upgraded (whose tail took the rest, _upgrade_tail):
                 # llhttp would not have read the rest of a whole read either.
                 return
+            if self._dense:
+                # Before the Content-Length case below, which would feed the rest now (found by
+                # review: dense slices each ending in a short body were one read's work).
+                self._rest = data[end:]  # before _yield_turn: an unbound outbox runs it now
+                self._yield_turn()
+                return
             if self._body_left:
                 # A Content-Length body from here on: passed as read, without llhttp.
                 self.data_received(data[end:])
-                return
-            if self._dense:
-                self._rest = data[end:]  # before _yield_turn: an unbound outbox runs it now
-                self._yield_turn()
                 return
         if self._dense:
             self._yield_turn()

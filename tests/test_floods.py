@@ -205,3 +205,48 @@ def test_a_small_read_of_tiny_chunks_yields(tmp_path: Path) -> None:
     assert upstream_reading(wired)
     wired.upstream.data_received(tiny_chunks(flow.FLOOD_PIECES))
     assert upstream_reading(wired)  # not dense: reads on
+
+
+def test_a_sliced_connections_next_response_is_sliced_from_its_head(tmp_path: Path) -> None:
+    """Found by review: only reads inside a body were sliced, so the next response on the
+    pooled connection put its head and 234 KiB of 1-byte chunks through llhttp at once."""
+    wired = streaming(tmp_path)
+    wired.upstream.data_received(tiny_chunks(flow.FLOOD_PIECES + 1) + b"0\r\n\r\n")
+    wired.turns.end()
+    wired.client.data_received(GET)  # on the same pooled connection
+    wired.turns.end()
+    wired.upstream.data_received(CHUNKED + tiny_chunks(40_000))
+    assert not upstream_reading(wired)
+    assert decoded(client_got(wired))[3].count(b"x") <= flow.FLOOD_SLICE // 6 + 1
+    turns = 0
+    while wired.turns.pending and turns < 100:
+        wired.turns.pending.pop(0)()
+        turns += 1
+    assert decoded(client_got(wired))[3].count(b"x") == 40_000
+
+
+def test_a_rest_put_aside_survives_the_upstreams_loss(tmp_path: Path) -> None:
+    """Found by review: the rest of a read was dropped when the upstream connection was lost
+    before its turn (a failed write is reported by call_soon), cutting a response that read
+    completed."""
+    wired = streaming(tmp_path)
+    wired.upstream.data_received(tiny_chunks(flow.FLOOD_PIECES + 1))  # the reader is sliced
+    wired.turns.end()
+    wired.upstream.data_received(tiny_chunks(5000) + b"0\r\n\r\n")
+    assert not upstream_reading(wired)
+    wired.upstream.connection_lost(ConnectionResetError())
+    wired.turns.end()
+    assert decoded(client_got(wired))[1] == b"x" * (flow.FLOOD_PIECES + 1 + 5000)
+    assert client_got(wired).endswith(b"0\r\n\r\n")
+
+
+def test_a_read_of_many_interim_responses_yields(tmp_path: Path) -> None:
+    """Found by review: 1xx heads were not counted, so a read of 10,000 of them (each built
+    and written to the client) was never dense."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(b"HTTP/1.1 100 Continue\r\n\r\n" * 10_000)
+    assert not upstream_reading(wired)
+    wired.turns.end()
+    assert upstream_reading(wired)

@@ -403,5 +403,38 @@ def test_a_sliced_connections_ordinary_read_is_a_few_feeds(tmp_path: Path) -> No
     writes = len(wired.upstream_transport.events)
     wired.client.data_received(chunks(0x10000, 4, b"b"))
     assert reading(wired)
-    assert len(wired.upstream_transport.events) - writes <= 12  # 7 slices, 4 chunks
+    assert len(wired.upstream_transport.events) - writes <= 16  # 11 slices, 4 chunks
     assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1].count(b"b") == 0x40000
+
+
+def test_a_dense_slice_ending_in_a_length_body_still_yields(tmp_path: Path) -> None:
+    """Found by review: the Content-Length case went before the dense one, so slices that
+    each ended inside a short body were all fed in one read callback, never pausing."""
+    unknown = f"3000-nosuch.{DOMAIN}"  # relay answers and drops the bodies, keeping alive
+    flood = (
+        f"POST /a HTTP/1.1\r\nHost: {unknown}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        + chunks(1, 1300)
+        + b"0\r\n\r\n"
+    )
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(flood)  # dense: sliced from now on
+    wired.turns.end()
+    assert reading(wired)
+    head = f"POST /b HTTP/1.1\r\nHost: {unknown}\r\nContent-Length: %d\r\n\r\n"
+    length = flow.FLOOD_SLICE + 10 - len(flood) - len(head.encode() % 1000)
+    block = flood + head.encode() % length + b"c" * length  # the body ends past the slice
+    wired.client.data_received(block * 20)
+    assert not reading(wired)
+    assert unparsed(wired)
+    assert run_turns(wired) >= 20
+
+
+def test_reads_while_lingering_are_dropped_not_kept(tmp_path: Path) -> None:
+    """Found by review: with a rest waiting, reads during a lingering close were added to it
+    (copied, to be dropped later) instead of restarting the linger wait."""
+    wired = sliced(tmp_path)
+    wired.client.data_received(chunks(1, 5000))
+    assert unparsed(wired)
+    wired.client.close()  # mid-request: lingers, reading on
+    wired.client.data_received(b"z" * 100_000)
+    assert len(wired.client._rest) < 40_000
