@@ -224,17 +224,17 @@ class ResponseReader:
         try:
             if (
                 len(data) > FLOOD_SLICE
+                and self._in_body
                 and self._body_left <= 0
-                # A connection that sent a flood before is sliced from then on, its next
-                # response's first read too (found by review). Else each chunk has two CRLFs:
-                # counting them in the first slice (a scan in C, ~1 µs) tells a flood from
-                # ordinary chunks before any copy; an ordinary read stays one feed and one
-                # client write (found by review: slicing every large read cost a copy and a
-                # second writev).
-                and (
-                    self._sliced
-                    or (self._in_body and data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES)
-                )
+                # A connection that sent a flood before is sliced from then on. Else each
+                # chunk has two CRLFs: counting them in the first slice (a scan in C, ~1 µs)
+                # tells a flood from ordinary chunks before any copy; an ordinary read stays
+                # one feed and one client write (found by review: slicing every large read
+                # cost a copy and a second writev). Only inside a final response's body: a
+                # read with a head is fed whole (slicing it lost a 101's WebSocket bytes past
+                # the slice and remembered heads wrongly, found by review), and yields after
+                # if it was dense.
+                and (self._sliced or data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES)
             ):
                 return self._slices(data)
             self.pieces = 0
