@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from relay.runtime import Relay
     from relay.websocket import Splice
 
@@ -51,6 +53,17 @@ FLOOD_PIECES = 128
 # 1-byte chunks, measured by review at ~0.75 ms of a request body and ~2.5 ms of a response
 # (whose pieces are framed for the client). 64 KiB measured twice that.
 FLOOD_SLICE_MAX = 32 * 1024
+
+
+def slice_bounds(size: int, first: int, most: int) -> Iterator[tuple[int, int]]:
+    """Where the slices of a read of ``size`` bytes start and end: ``first`` bytes, then each
+    twice the last up to ``most`` (the callers pass FLOOD_SLICE and FLOOD_SLICE_MAX as their
+    own modules see them, which tests and the fuzz harness set smaller)."""
+    end, step = 0, first
+    while end < size:
+        start, end = end, end + step
+        step = min(2 * step, most)
+        yield start, end
 
 
 class Client(Protocol):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 
 from relay.core import headers as header_rules
-from relay.flow import FLOOD_PIECES, FLOOD_SLICE, FLOOD_SLICE_MAX
+from relay.flow import FLOOD_PIECES, FLOOD_SLICE, FLOOD_SLICE_MAX, slice_bounds
 from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
 
 if TYPE_CHECKING:
@@ -259,12 +259,8 @@ class ResponseReader:
         """Feed a read a slice at a time, each twice the last up to FLOOD_SLICE_MAX, until a
         slice holds more than FLOOD_PIECES pieces; return the rest after it, or b"" once the
         body ends or leaves llhttp."""
-        end = 0
         size = len(data)
-        step = FLOOD_SLICE
-        while end < size:
-            start, end = end, end + step
-            step = min(2 * step, FLOOD_SLICE_MAX)
+        for start, end in slice_bounds(size, FLOOD_SLICE, FLOOD_SLICE_MAX):
             self.pieces = 0
             self._feed(data[start:end])
             if end >= size:

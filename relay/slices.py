@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relay.bodies import RequestBodies
-from relay.flow import FLOOD_SLICE, FLOOD_SLICE_MAX, PAUSE_YIELD
+from relay.flow import FLOOD_SLICE, FLOOD_SLICE_MAX, PAUSE_YIELD, slice_bounds
 
 if TYPE_CHECKING:
     from relay.websocket import Splice
@@ -72,12 +72,8 @@ class Slices(RequestBodies):
 
     def _slices(self, data: bytes) -> None:
         """Feed a read of a sliced connection a slice at a time (the module docstring)."""
-        end = 0
         size = len(data)
-        step = FLOOD_SLICE
-        while end < size:
-            start, end = end, end + step
-            step = min(2 * step, FLOOD_SLICE_MAX)
+        for start, end in slice_bounds(size, FLOOD_SLICE, FLOOD_SLICE_MAX):
             self._slicing = (data, end)
             self._dense = False
             try:

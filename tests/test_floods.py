@@ -69,12 +69,17 @@ def decoded(stream: bytes) -> list[bytes]:
     return out
 
 
-def test_a_response_read_of_tiny_chunks_is_fed_over_several_turns(tmp_path: Path) -> None:
+def streaming(tmp_path: Path) -> Wired:
     wired = make_wired(tmp_path, busy=1 << 30)
     wired.client.data_received(GET)
     wired.turns.end()
     wired.upstream.data_received(CHUNKED)
     wired.turns.end()
+    return wired
+
+
+def test_a_response_read_of_tiny_chunks_is_fed_over_several_turns(tmp_path: Path) -> None:
+    wired = streaming(tmp_path)
     flood = tiny_chunks(10_000)
     wired.upstream.data_received(flood)
     assert not upstream_reading(wired)  # the rest waits, the upstream unread
@@ -163,15 +168,6 @@ def test_a_flood_with_an_unbound_outbox_keeps_every_byte_in_order(tmp_path: Path
     wired.upstream.data_received(tiny_chunks(3000))
     wired.upstream.data_received(b"2\r\nyy\r\n")
     assert decoded(client_got(wired))[1] == b"x" * 3000 + b"yy"
-
-
-def streaming(tmp_path: Path) -> Wired:
-    wired = make_wired(tmp_path, busy=1 << 30)
-    wired.client.data_received(GET)
-    wired.turns.end()
-    wired.upstream.data_received(CHUNKED)
-    wired.turns.end()
-    return wired
 
 
 def test_a_flood_behind_an_ordinary_first_slice_yields_then_is_sliced(tmp_path: Path) -> None:
