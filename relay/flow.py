@@ -35,23 +35,24 @@ PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn f
 YIELD_EVENTS = 128
 
 # A read that llhttp parses inside a response body (chunked, or one that ends at close) is
-# fed to it in slices of FLOOD_SLICE bytes when its first slice is dense with chunk lines or
-# an earlier read of the connection was a flood; after a slice of more than FLOOD_PIECES body
-# pieces (chunks of under 64 bytes on average), the rest of the read waits for the next turn
-# of the event loop, the upstream unread meanwhile (relay.response). A read fed whole that
-# held more than FLOOD_PIECES pieces gives the others a turn all the same. llhttp
-# calls Python once per chunk, and a response of 1-byte chunks cost ~50 ms per 256 KiB read,
-# during which relay served no one else (found by review for WebSocket frames; the same held
-# for chunks). Legitimate chunks are far larger. Request bodies are not sliced (README,
-# "Decisions": a first attempt was reverted after review); their reads yield (YIELD_EVENTS).
+# fed to it in slices (slice_bounds) when its first FLOOD_SLICE bytes are dense with chunk
+# lines or an earlier read of the connection was a flood; after a slice of more than
+# FLOOD_PIECES body pieces (chunks of under 64 bytes on average), the rest of the read waits
+# for the next turn of the event loop, the upstream unread meanwhile (relay.response). A read
+# fed whole that held more than FLOOD_PIECES pieces (or 1xx heads) gives the others a turn
+# all the same. llhttp calls Python once per chunk, and a response of 1-byte chunks cost
+# ~50 ms per 256 KiB read, during which relay served no one else (found by review for
+# WebSocket frames; the same held for chunks). Legitimate chunks are far larger. A client's
+# reads are sliced the same way once one of them was dense (relay.slices, YIELD_EVENTS).
 FLOOD_SLICE = 8 * 1024
 FLOOD_PIECES = 128
 # A slice that was not dense is followed by one twice its size, up to FLOOD_SLICE_MAX: an
-# ordinary 256 KiB read of a sliced connection is 11 feeds (and writes), not 32 (found by
-# review: slicing every later read at 8 KiB tripled an ordinary upload's CPU), and a turn
-# still parses at most one dense slice of FLOOD_SLICE_MAX bytes per connection: ~5,500
-# 1-byte chunks, measured by review at ~0.75 ms of a request body and ~2.5 ms of a response
-# (whose pieces are framed for the client). 64 KiB measured twice that.
+# ordinary 256 KiB read of a sliced connection is 10 feeds (and writes), not 32 (found by
+# review: slicing every later read at 8 KiB tripled an ordinary upload's CPU). A dense slice
+# of FLOOD_SLICE_MAX bytes is ~5,500 1-byte chunks, measured by review at ~0.75 ms of a
+# request body and ~2.5 ms of a response (whose pieces are framed for the client); 64 KiB
+# measured twice that. Not bounded this way: a read that holds a response head, and a
+# connection's first dense read, are fed whole (README, "Decisions").
 FLOOD_SLICE_MAX = 32 * 1024
 
 

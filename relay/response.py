@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 # llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
 # guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.
 RESPONSE_HEAD_LIMIT = 64 * 1024
+# Interim (1xx) responses relayed before a final one. RFC 9110 §15.2 sets no bound, and a read
+# of them is parsed whole (only body reads are sliced, relay.flow): an upstream sending them
+# without end cost ~13 ms per 256 KiB read, every turn (found by review). Go's HTTP client
+# stops at 5; this is generous for 100 Continue, 103 Early Hints and a long run of 102
+# Processing. Past it the response is malformed: 502, or a cut once the final one started.
+MAX_INTERIM = 64
 
 
 class Events(Protocol):
@@ -126,6 +132,7 @@ class ResponseReader:
         "_headers",
         "_in_body",
         "_in_head",
+        "_interims",
         "_key",
         "_last",
         "_moved",
@@ -181,6 +188,7 @@ class ResponseReader:
         self._stalled = 0  # bytes fed since it last did
         self._reason = b""
         self.interim = False  # a 1xx is being read; its end is not the response's end
+        self._interims = 0  # how many 1xx heads this response had (MAX_INTERIM)
         self._closing = False  # an interim response said "Connection: close"
         self._extra = False  # the upstream sent bytes after its complete response
         # A connection whose response ended inside the current read: released to its pool
@@ -467,6 +475,10 @@ class ResponseReader:
             # An interim response (RFC 9110 §15.2): the final one follows on the same parser.
             self.interim = True
             self.pieces += 1  # a flood of them is a flood too (found by review)
+            self._interims += 1
+            if self._interims > MAX_INTERIM:
+                owner.response_malformed("upstream: too many interim (1xx) responses")
+                return
             # RFC 9112 §9.6: the close option ends the connection after the final response.
             self._closing = self._closing or not parser.should_keep_alive()
             owner.response_interim(status, self._reason, headers)

@@ -242,16 +242,33 @@ def test_a_rest_put_aside_survives_the_upstreams_loss(tmp_path: Path) -> None:
     assert client_got(wired).endswith(b"0\r\n\r\n")
 
 
-def test_a_read_of_many_interim_responses_yields(tmp_path: Path) -> None:
-    """Found by review: 1xx heads were not counted, so a read of 10,000 of them (each built
+def test_a_read_of_interim_responses_short_of_the_limit_yields(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: 1xx heads were not counted, so a read of many of them (each built
     and written to the client) was never dense."""
     wired = make_wired(tmp_path, busy=1 << 30)
     wired.client.data_received(GET)
     wired.turns.end()
-    wired.upstream.data_received(b"HTTP/1.1 100 Continue\r\n\r\n" * 10_000)
+    monkeypatch.setattr(response, "MAX_INTERIM", 1000)
+    wired.upstream.data_received(b"HTTP/1.1 100 Continue\r\n\r\n" * 1000)
     assert not upstream_reading(wired)
     wired.turns.end()
     assert upstream_reading(wired)
+
+
+def test_an_endless_run_of_interim_responses_is_a_502(tmp_path: Path) -> None:
+    """Found by review: interim heads are parsed whole, read after read, without end (~13 ms
+    per 256 KiB read, every turn). Past MAX_INTERIM the response is malformed."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(b"HTTP/1.1 103 Early Hints\r\n\r\n" * 10_000)
+    wired.turns.end()
+    got = client_got(wired)
+    assert got.count(b" 103 Early Hints") == response.MAX_INTERIM
+    assert got[got.rindex(b"HTTP/1.1 ") :].startswith(b"HTTP/1.1 502 ")
+    assert wired.upstream_transport.closing
 
 
 HANDSHAKE = (
@@ -270,7 +287,7 @@ def after_101(wired: Wired) -> bytes:
 
 @pytest.mark.parametrize("before", ["a flood response", "a read of early hints"])
 def test_a_101_on_a_sliced_connection_keeps_every_websocket_byte(
-    tmp_path: Path, before: str
+    tmp_path: Path, before: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Found by review of an attempt to slice head reads too: the frame's bytes past the
     first slice were lost. A read holding a head is fed whole."""
@@ -283,6 +300,7 @@ def test_a_101_on_a_sliced_connection_keeps_every_websocket_byte(
         wired.client.data_received(HANDSHAKE)  # on the same pooled connection
         wired.turns.end()
     else:
+        monkeypatch.setattr(response, "MAX_INTERIM", 1000)  # enough to be dense
         wired.client.data_received(HANDSHAKE)
         wired.turns.end()
         wired.upstream.data_received(b"HTTP/1.1 103 Early Hints\r\n\r\n" * (flow.FLOOD_PIECES + 1))

@@ -403,7 +403,7 @@ def test_a_sliced_connections_ordinary_read_is_a_few_feeds(tmp_path: Path) -> No
     writes = len(wired.upstream_transport.events)
     wired.client.data_received(chunks(0x10000, 4, b"b"))
     assert reading(wired)
-    assert len(wired.upstream_transport.events) - writes <= 16  # 11 slices, 4 chunks
+    assert len(wired.upstream_transport.events) - writes <= 16  # 10 slices, 4 chunks
     assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1].count(b"b") == 0x40000
 
 
