@@ -290,7 +290,7 @@ class ResponseReader:
             if self.pieces > FLOOD_PIECES:
                 self._sliced = self.dense = True
                 return data[end:]
-        self.dense = self.dense or self.pieces > FLOOD_PIECES
+        self.dense = self.pieces > FLOOD_PIECES  # the last slice (an earlier one returned)
         return b""
 
     def _feed(self, data: bytes) -> None:

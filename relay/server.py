@@ -141,7 +141,7 @@ class ClientConnection(Slices, asyncio.Protocol):
                 # More bytes after a handshake, fed in the same turn (the TLS hand-over's
                 # early reads): the WebSocket's too, after the first (found by the property
                 # test of relay.slices; they were dropped).
-                exchange = self.queue[-1] if self.queue else self.active
+                exchange = self._upgrading()
                 if exchange is not None:
                     exchange.client_tail(data)
             return
@@ -477,13 +477,18 @@ class ClientConnection(Slices, asyncio.Protocol):
         self.relay.timers.forget(self)
 
     # -- internals ------------------------------------------------------------------------
+    def _upgrading(self) -> Exchange | None:
+        """The exchange of the upgrade request llhttp stopped at: the last one read (nothing
+        is parsed after it), queued behind earlier ones or running."""
+        return self.queue[-1] if self.queue else self.active
+
     def _upgrade_requested(self, tail: bytes) -> None:
         """llhttp stopped at an upgrade (WebSocket handshake, CONNECT, h2c...).
 
         The parser cannot go on, so the connection either becomes a WebSocket splice or
         closes after the answer; bytes already sent after the handshake wait for the splice.
         """
-        exchange = self.queue[-1] if self.queue else self.active
+        exchange = self._upgrading()
         if exchange is None or exchange.answered():
             if exchange is None:
                 self.close()
