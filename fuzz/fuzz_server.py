@@ -29,7 +29,7 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports(include=["relay"]):
-    from relay import server, slices
+    from relay import response, server, slices
     from relay.config import parse
     from relay.core import headers as header_rules
     from relay.core import policy
@@ -57,6 +57,11 @@ ANSWERS: list[tuple[bytes, bool]] = [  # (bytes, then the upstream closes)
     ),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n\r\n", False),
     (b"HTTP/1.1 000 Zero\r\n\r\n", False),
+    (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+        b"\x82\x05hello",
+        False,
+    ),
     (b"garbage\r\n\r\n", False),
 ]
 
@@ -281,6 +286,10 @@ LATER: list[Any] = []
 server.YIELD_EVENTS = 4
 server.FLOOD_SLICE = slices.FLOOD_SLICE = 64
 slices.FLOOD_SLICE_MAX = 256
+# Upstream answers are read in slices from 16 bytes (relay.response): each answer's head read
+# is, and so is the 101's tail past a slice.
+response.FLOOD_SLICE = 16
+response.FLOOD_SLICE_MAX = 32
 
 
 RELAY = make_relay()

@@ -34,9 +34,10 @@ PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn f
 # upload, whose reads are a few pieces each, still reads on.
 YIELD_EVENTS = 128
 
-# A read that llhttp parses inside a response body (chunked, or one that ends at close) is
-# fed to it in slices (slice_bounds) when its first FLOOD_SLICE bytes are dense with chunk
-# lines or an earlier read of the connection was a flood; after a slice of more than
+# A response read of more than FLOOD_SLICE bytes is fed to llhttp in slices (slice_bounds)
+# when it holds a head, or lies inside a body that llhttp parses (chunked, or one that ends
+# at close) and its first FLOOD_SLICE bytes are dense with chunk lines or an earlier read of
+# the connection was a flood; after a slice of more than
 # FLOOD_PIECES body pieces (chunks of under 64 bytes on average), the rest of the read waits
 # for the next turn of the event loop, the upstream unread meanwhile (relay.response). A read
 # fed whole that held more than FLOOD_PIECES pieces (or 1xx heads) gives the others a turn
@@ -51,8 +52,8 @@ FLOOD_PIECES = 128
 # review: slicing every later read at 8 KiB tripled an ordinary upload's CPU). A dense slice
 # of FLOOD_SLICE_MAX bytes is ~5,500 1-byte chunks, measured by review at ~0.75 ms of a
 # request body and ~2.5 ms of a response (whose pieces are framed for the client); 64 KiB
-# measured twice that. Not bounded this way: a read that holds a response head, and a
-# connection's first dense read, are fed whole (README, "Decisions").
+# measured twice that. Not bounded this way: a client connection's first dense read is fed
+# whole (README, "Decisions").
 FLOOD_SLICE_MAX = 32 * 1024
 
 

@@ -125,6 +125,7 @@ class ResponseReader:
         "_body_seen",
         "_chunk_edge",
         "_closing",
+        "_cut",
         "_ended",
         "_extra",
         "_first",
@@ -142,6 +143,7 @@ class ResponseReader:
         "_seen",
         "_sliced",
         "_stalled",
+        "_whole",
         "at_chunk",
         "dense",
         "feeding",
@@ -161,6 +163,8 @@ class ResponseReader:
         self.feeding = False  # inside feed(): llhttp is parsing one upstream read
         self.dense = False  # the last read fed was a flood of tiny chunks (feed)
         self._sliced = False  # a read of this connection was: its large reads are sliced
+        self._whole = b""  # the read being fed in slices (_slices), else empty
+        self._cut = 0  # and where the slice being fed ends in it
         self.bind(owner)
 
     def bind(self, owner: Events) -> None:
@@ -232,17 +236,23 @@ class ResponseReader:
         try:
             if (
                 len(data) > FLOOD_SLICE
-                and self._in_body
                 and self._body_left <= 0
-                # A connection that sent a flood before is sliced from then on. Else each
-                # chunk has two CRLFs: counting them in the first slice (a scan in C, ~1 µs)
-                # tells a flood from ordinary chunks before any copy; an ordinary read stays
-                # one feed and one client write (found by review: slicing every large read
-                # cost a copy and a second writev). Only inside a final response's body: a
-                # read with a head is fed whole (slicing it lost a 101's WebSocket bytes past
-                # the slice and remembered heads wrongly, found by review), and yields after
-                # if it was dense.
-                and (self._sliced or data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES)
+                # A read that holds a response head (or part of one) is always sliced: what
+                # follows the head is unknown until llhttp has read it, and a guest answering
+                # each request with a head and 256 KiB of 1-byte chunks held the loop ~50 ms
+                # per response (found by review). It costs one copy of the read's rest for a
+                # Content-Length body (passed on after the first slice), a few feeds for a
+                # chunked one, and the memo of a response over 8 KiB (_remember).
+                # Inside a body, a connection that sent a flood before is sliced from then on.
+                # Else each chunk has two CRLFs: counting them in the first slice (a scan in
+                # C, ~1 µs) tells a flood from ordinary chunks before any copy; an ordinary
+                # read stays one feed and one client write (found by review: slicing every
+                # large body read cost a copy and a second writev).
+                and (
+                    not self._in_body
+                    or self._sliced
+                    or data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES
+                )
             ):
                 return self._slices(data)
             self.pieces = 0
@@ -266,13 +276,27 @@ class ResponseReader:
     def _slices(self, data: bytes) -> bytes:
         """Feed a read a slice at a time, each twice the last up to FLOOD_SLICE_MAX, until a
         slice holds more than FLOOD_PIECES pieces; return the rest after it, or b"" once the
-        body ends or leaves llhttp."""
+        response ends, its body leaves llhttp, or a 101 took the rest as its tail."""
         size = len(data)
+        self._whole = data
+        try:
+            return self._slice(data, size)
+        finally:
+            self._whole = b""
+
+    def _slice(self, data: bytes, size: int) -> bytes:
         for start, end in slice_bounds(size, FLOOD_SLICE, FLOOD_SLICE_MAX):
             self.pieces = 0
+            self._cut = end  # where the rest of the read starts, for a 101's tail (_feed)
             self._feed(data[start:end])
+            # Only a read's first slice starts where its first head does: _remember compares
+            # the slice's size with that head and the body llhttp saw (found by review: a
+            # later slice of a 1xx head's size plus the body so far stored the 1xx head).
+            self._key = None
             if end >= size:
                 break
+            if self.parser is None:
+                break  # upgraded, the rest of the read went with the 101 (_feed); or closed
             if self._ended or self._extra:
                 # The response is complete: what follows can only be dropped, and the
                 # connection not reused, which llhttp would tell only after calling relay
@@ -284,7 +308,7 @@ class ResponseReader:
                     if conn is not None:
                         conn.close()
                 break
-            if self.parser is None or self._body_left > 0:
+            if self._body_left > 0:
                 self._feed(data[end:])  # the body went on without llhttp: as read
                 break
             if self.pieces > FLOOD_PIECES:
@@ -318,7 +342,10 @@ class ResponseReader:
                 self._remember(len(data))
             owner.flush()
         except httptools.HttpParserUpgrade as upgrade:
-            owner.response_upgrade(data[upgrade.args[0] :])
+            tail = data[upgrade.args[0] :]
+            if self._whole:  # a slice (_slices): the rest of the read follows the 101 too
+                tail += self._whole[self._cut :]
+            owner.response_upgrade(tail)
             return
         except httptools.HttpParserCallbackError as exc:
             owner.internal_error(exc.__context__ or exc)

@@ -13,11 +13,12 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import httptools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import flow, response
+from relay import flow, heads, response
 from tests.support.wired import DOMAIN, Wired, make_wired
 
 
@@ -204,10 +205,9 @@ def test_a_small_read_of_tiny_chunks_yields(tmp_path: Path) -> None:
 
 
 def test_a_sliced_connections_next_response_yields_after_its_head_read(tmp_path: Path) -> None:
-    """The next response on the pooled connection: its first read, with the head, is fed
-    whole (slicing it was tried and reverted after review: a 101's bytes past the first slice
-    were lost, and heads were remembered wrongly), then the upstream waits a turn and the
-    body's later reads are sliced."""
+    """The next response on the pooled connection: its first read, with the head, of under
+    8 KiB is fed whole, then the upstream waits a turn and the body's later reads are
+    sliced."""
     wired = streaming(tmp_path)
     wired.upstream.data_received(tiny_chunks(flow.FLOOD_PIECES + 1) + b"0\r\n\r\n")
     wired.turns.end()
@@ -289,8 +289,8 @@ def after_101(wired: Wired) -> bytes:
 def test_a_101_on_a_sliced_connection_keeps_every_websocket_byte(
     tmp_path: Path, before: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Found by review of an attempt to slice head reads too: the frame's bytes past the
-    first slice were lost. A read holding a head is fed whole."""
+    """Found by review of a first attempt to slice head reads: the frame's bytes past the
+    first slice were lost. They follow the 101 as its tail."""
     wired = make_wired(tmp_path, busy=1 << 30)
     if before == "a flood response":
         wired.client.data_received(GET)
@@ -308,3 +308,160 @@ def test_a_101_on_a_sliced_connection_keeps_every_websocket_byte(
     wired.upstream.data_received(SWITCHED + FRAME)
     wired.turns.end()
     assert after_101(wired) == FRAME
+
+
+@pytest.mark.parametrize("ahead", [0, 0x4000])
+def test_a_flood_in_a_responses_first_read_yields(tmp_path: Path, ahead: int) -> None:
+    """Found by review: a read that held the head was fed whole, so a guest answering each
+    request with its head and 256 KiB of 1-byte chunks held the loop ~50 ms per response,
+    behind an ordinary first chunk or not. Its first slice holds the head."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    ordinary = b"%x\r\n" % ahead + b"o" * ahead + b"\r\n" if ahead else b""
+    wired.upstream.data_received(CHUNKED + ordinary + tiny_chunks(40_000))
+    assert not upstream_reading(wired)
+    assert decoded(client_got(wired))[1].count(b"x") < flow.FLOOD_SLICE_MAX // 6
+    turns = 0
+    while wired.turns.pending and turns < 100:
+        wired.turns.pending.pop(0)()
+        turns += 1
+    assert turns >= 40_000 * 6 // flow.FLOOD_SLICE_MAX
+    assert decoded(client_got(wired))[1] == b"o" * ahead + b"x" * 40_000
+    assert upstream_reading(wired)
+
+
+class Messages:
+    """The client's side of relay's responses: (status, body) per message (1xx included),
+    then what followed a 101."""
+
+    def __init__(self, stream: bytes) -> None:
+        self.out: list[Any] = []
+        self.parser = httptools.HttpResponseParser(self)
+        try:
+            self.parser.feed_data(stream)
+        except httptools.HttpParserUpgrade as upgrade:
+            self.out.append(stream[upgrade.args[0] :])
+
+    def on_message_begin(self) -> None:
+        self.out.append([0, b""])
+
+    def on_headers_complete(self) -> None:
+        self.out[-1][0] = self.parser.get_status_code()
+        self.keep = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self.out[-1][1] += body
+
+
+EARLY = b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+
+
+def fixed(size: int) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + b"L" * size
+
+
+@st.composite
+def exchanges(draw: st.DrawFn) -> tuple[list[tuple[bytes, list[bytes]]], list[int]]:
+    """One to three responses (chunked, of tiny chunks or larger ones; Content-Length, one of
+    them ending exactly where a first slice does; after 1xx heads), maybe a 101 and a
+    WebSocket frame after them, each cut into reads, with the request it answers (sent once
+    the last response is complete, so that the pooled connection is reused); and after which
+    reads the client pauses writing."""
+    answers: list[bytes] = []
+    requests: list[bytes] = []
+    for _ in range(draw(st.integers(1, 3))):
+        answer = EARLY * draw(st.sampled_from([0, 0, 1, 3]))
+        requests.append(GET)
+        size = draw(st.sampled_from([-1, -1, 0, 10, 5000, 20_000, 8192]))
+        if size == 8192:
+            size -= len(fixed(0)) + 3 - len(answer)  # four digits more than fixed(0)'s
+        if size >= 0:
+            answers.append(answer + fixed(size))
+            continue
+        body = b""
+        for _ in range(draw(st.integers(0, 3))):
+            size, count = draw(st.sampled_from([(1, 3000), (3, 10), (50, 300), (3000, 5)]))
+            body += (b"%x\r\n" % size + b"z" * size + b"\r\n") * count
+        answers.append(answer + CHUNKED + body + b"0\r\n\r\n")
+    if draw(st.booleans()):
+        answers.append(SWITCHED + FRAME)
+        requests.append(HANDSHAKE)
+    cases: list[tuple[bytes, list[bytes]]] = []
+    for request, answer in zip(requests, answers, strict=True):
+        cuts = draw(st.lists(st.integers(0, len(answer)), max_size=2))
+        bounds = [0, *sorted(set(cuts)), len(answer)]
+        cases.append((request, [answer[a:b] for a, b in itertools.pairwise(bounds) if b > a]))
+    pauses = draw(st.lists(st.integers(0, 8), max_size=2))
+    return cases, pauses
+
+
+def relay_exchanges(
+    tmp_path: Path, cases: list[tuple[bytes, list[bytes]]], pauses: list[int]
+) -> list[Any]:
+    tmp_path.mkdir()
+    wired = make_wired(tmp_path, busy=1 << 30)
+    number = 0
+    for request, reads in cases:
+        wired.client.data_received(request)
+        wired.turns.end()
+        for data in reads:
+            if number in pauses:
+                wired.client.pause_writing()
+            number += 1
+            wired.upstream.data_received(data)
+            wired.turns.end()
+            wired.client.resume_writing()
+            wired.turns.end()
+    return [Messages(client_got(wired)).out, wired.client.requests, wired.client.active is None]
+
+
+def assert_remembered_truly() -> None:
+    """Each remembered response is what llhttp makes of its head and a body of its length:
+    one final response, not chunked, ended right there."""
+    for key, known in heads.RESPONSES.items():
+        got = Messages(key + b"r" * known.length)
+        assert len(got.out) == 1, key
+        status, body = got.out[0]
+        assert (status, len(body)) == (known.status, known.length), key
+        assert got.keep == known.keep
+        assert b"chunked" not in key.lower()
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=exchanges())
+def test_head_read_slicing_is_invisible(
+    tmp_path_factory: pytest.TempPathFactory, case: Any
+) -> None:
+    cases, pauses = case
+    base = tmp_path_factory.mktemp("heads")
+    heads.RESPONSES.clear()
+    sliced = relay_exchanges(base / "sliced", cases, pauses)
+    assert_remembered_truly()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(response, "FLOOD_SLICE", 1 << 40)
+        heads.RESPONSES.clear()
+        whole = relay_exchanges(base / "whole", cases, pauses)
+    heads.RESPONSES.clear()
+    assert sliced == whole
+
+
+def test_a_later_slice_never_remembers_the_reads_first_head(tmp_path: Path) -> None:
+    """Found by review of a first attempt to slice head reads: _remember compared a slice's
+    size with the read's first head and the body llhttp saw, so a last slice as long as a
+    103 head and the body stored the 103 head as a whole 200 response, replayed for any later
+    read of that head and as many bytes. Here a chunk extension makes the framing exactly one
+    first slice long."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    padding = flow.FLOOD_SLICE - len(CHUNKED) - len(b"3e8;e=\r\n\r\n0\r\n\r\n")
+    read = EARLY + CHUNKED + b"3e8;e=" + b"a" * padding + b"\r\n" + b"z" * 1000 + b"\r\n0\r\n\r\n"
+    assert len(read) - flow.FLOOD_SLICE == len(EARLY) + 1000  # the last slice
+    heads.RESPONSES.clear()
+    wired.upstream.data_received(read)
+    wired.turns.end()
+    assert Messages(client_got(wired)).out == [[103, b""], [200, b"z" * 1000]]
+    assert EARLY not in heads.RESPONSES
+    assert_remembered_truly()
+    heads.RESPONSES.clear()

@@ -30,9 +30,11 @@ def test_chunks_reach_the_client_well_framed(tmp_path: Path, size: int) -> None:
     wired.client.data_received(REQUEST)
     wired.turns.end()
     payload = bytes(i % 251 for i in range(size))
-    wired.upstream.data_received(
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (size, payload)
-    )
+    # The head in a read of its own: a larger read that holds a head is fed in slices
+    # (relay.response), each re-chunked, and the 70,000-byte size line would not be written.
+    wired.upstream.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    wired.turns.end()
+    wired.upstream.data_received(b"%x\r\n%s\r\n" % (size, payload))
     wired.turns.end()
     wired.upstream.data_received(b"0\r\n\r\n")
     wired.turns.end()
