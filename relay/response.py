@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 
 from relay.core import headers as header_rules
-from relay.flow import FLOOD_PIECES, FLOOD_SLICE, FLOOD_SLICE_MAX, slice_bounds
+from relay.flow import FLOOD_PIECES, FLOOD_SLICE, FLOOD_SLICE_MAX, dense_start, slice_bounds
 from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
 
 if TYPE_CHECKING:
@@ -244,15 +244,11 @@ class ResponseReader:
                 # Content-Length body (passed on after the first slice), a few feeds for a
                 # chunked one, and the memo of a response over 8 KiB (_remember).
                 # Inside a body, a connection that sent a flood before is sliced from then on.
-                # Else each chunk has two CRLFs: counting them in the first slice (a scan in
-                # C, ~1 µs) tells a flood from ordinary chunks before any copy; an ordinary
-                # read stays one feed and one client write (found by review: slicing every
-                # large body read cost a copy and a second writev).
-                and (
-                    not self._in_body
-                    or self._sliced
-                    or data.count(b"\r\n", 0, FLOOD_SLICE) > 2 * FLOOD_PIECES
-                )
+                # Else each chunk has two CRLFs: counting them in the read's first KiB tells a
+                # flood from ordinary chunks before any copy (relay.flow.dense_start); an
+                # ordinary read stays one feed and one client write (found by review: slicing
+                # every large body read cost a copy and a second writev).
+                and (not self._in_body or self._sliced or dense_start(data))
             ):
                 return self._slices(data)
             self.pieces = 0

@@ -154,6 +154,29 @@ def test_an_ordinary_read_reads_on(tmp_path: Path) -> None:
     assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1] == b"x" * 4096 * 60
 
 
+def test_a_first_read_that_begins_dense_is_sliced_from_its_start(tmp_path: Path) -> None:
+    """A connection's first dense read was fed whole (~8 ms per 256 KiB of 1-byte chunks, every
+    other client waiting): one whose first KiB is dense with CRLFs is sliced at once."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD + chunks(1, 40_000))
+    assert not reading(wired)
+    assert 0 < upstream_got(wired).count(b"x") <= flow.FLOOD_SLICE // 6 + 1
+    assert run_turns(wired) >= 40_000 * 6 // flow.FLOOD_SLICE_MAX
+    assert reading(wired)
+    assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1] == b"x" * 40_000
+
+
+def test_a_first_read_of_long_lines_is_fed_whole(tmp_path: Path) -> None:
+    """Only a dense start slices a first read: chunks of 100 bytes (2 CRLFs in 106) are not."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD)
+    wired.turns.end()
+    writes = len(wired.upstream_transport.events)
+    wired.client.data_received(chunks(100, 100))  # over FLOOD_SLICE
+    assert not wired.client._sliced
+    assert len(wired.upstream_transport.events) == writes + 1  # one feed, one joined chunk
+
+
 # -- a sliced connection ----------------------------------------------------------------------
 def sliced(tmp_path: Path) -> Wired:
     """A connection whose upload began with a dense read: its large reads are sliced."""
