@@ -68,9 +68,9 @@ DENSE_SAMPLE = 1024
 DENSE_LINES = 32
 
 
-def dense_start(data: bytes) -> bool:
-    """The read begins as a flood of tiny pieces would (DENSE_SAMPLE)."""
-    return data.count(b"\r\n", 0, DENSE_SAMPLE) > DENSE_LINES
+def dense_start(data: bytes, start: int = 0) -> bool:
+    """The read, from ``start`` on, begins as a flood of tiny pieces would (DENSE_SAMPLE)."""
+    return data.count(b"\r\n", start, start + DENSE_SAMPLE) > DENSE_LINES
 
 
 def slice_bounds(size: int, first: int, most: int) -> Iterator[tuple[int, int]]:
