@@ -286,12 +286,16 @@ class ResponseReader:
                 return b""
         size = len(data)
         self._whole = data
+        owner = self._owner
         try:
-            return self._slice(data, size, not self._in_body)
+            return self._slice(data, size)
         finally:
             self._whole = b""
+            # One client write for the read, not one per slice (_feed holds them; found by
+            # review: a chunked response in one read went out in ten writes).
+            owner.flush()
 
-    def _slice(self, data: bytes, size: int, at_head: bool) -> bytes:
+    def _slice(self, data: bytes, size: int) -> bytes:
         for start, end in slice_bounds(size, FLOOD_SLICE, FLOOD_SLICE_MAX):
             self.pieces = 0
             self._cut = end  # where the rest of the read starts, for a 101's tail (_feed)
@@ -318,6 +322,7 @@ class ResponseReader:
             if self._body_left > 0:
                 rest = data[end:]
                 whole = len(rest) == self._body_left  # the read ends where the body does
+                self._owner.flush()  # the head first: the rest is written as it is passed
                 self._feed(rest)  # the body went on without llhttp: as read
                 if (
                     whole  # so the response ended there (_pass_body)
@@ -334,17 +339,6 @@ class ResponseReader:
             if self.pieces > FLOOD_PIECES:
                 self._sliced = self.dense = True
                 return data[end:]
-            if at_head and self._in_body and not self._sliced and not dense_start(data, end):
-                # The head is read and its body begins as an ordinary one: the rest of the
-                # read is fed as a body read would be, whole (found by review: a chunked
-                # response in one read went out in 10 writes). A flood behind an ordinary
-                # start is fed whole once, as in a body read, and slices the connection.
-                self.pieces = 0
-                self._cut = size
-                self._feed(data[end:])
-                if self.pieces > FLOOD_PIECES:
-                    self._sliced = self.dense = True
-                return b""
         self.dense = self.pieces > FLOOD_PIECES  # the last slice (an earlier one returned)
         return b""
 
@@ -371,7 +365,8 @@ class ResponseReader:
             self.at_chunk = self._chunk_edge and data.endswith(b"\r\n")
             if self._key is not None:
                 self._remember(len(data))
-            owner.flush()
+            if not self._whole:  # a slice's output goes with the read's (_slices)
+                owner.flush()
         except httptools.HttpParserUpgrade as upgrade:
             tail = data[upgrade.args[0] :]
             if self._whole:  # a slice (_slices): the rest of the read follows the 101 too
