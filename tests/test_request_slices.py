@@ -177,6 +177,24 @@ def test_a_first_read_of_long_lines_is_fed_whole(tmp_path: Path) -> None:
     assert len(wired.upstream_transport.events) == writes + 1  # one feed, one joined chunk
 
 
+def test_a_chunked_upload_of_csv_rows_is_one_feed_and_one_write_per_read(tmp_path: Path) -> None:
+    """Found by review: within a body, CRLFs may be the payload's (RFC 4180 rows end in CRLF),
+    and the dense start of such reads sliced each one, 25 upstream writes per read."""
+    row = b"2026-12-01,13:50,42.0\r\n"
+    chunk = row * (16384 // len(row))
+    body = (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 16  # one 256 KiB read
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD)
+    wired.turns.end()
+    before = len(wired.upstream_transport.events)
+    for _ in range(4):
+        wired.client.data_received(body)
+        wired.turns.end()
+    assert not wired.client._sliced
+    assert len(wired.upstream_transport.events) - before == 4
+    assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1] == chunk * 16 * 4
+
+
 # -- a sliced connection ----------------------------------------------------------------------
 def sliced(tmp_path: Path) -> Wired:
     """A connection whose upload began with a dense read: its large reads are sliced."""
