@@ -178,6 +178,8 @@ class Messages:
             self.parser.feed_data(stream)
         except httptools.HttpParserUpgrade as upgrade:
             self.out.append(stream[upgrade.args[0] :])
+        except httptools.HttpParserError as exc:
+            self.out.append(("error", type(exc).__name__))
 
     def on_message_begin(self) -> None:
         self.out.append([0, b""])
@@ -308,17 +310,9 @@ HEAD_REQUEST = f"HEAD /s HTTP/1.1\r\nHost: 3000-sbx.{DOMAIN}\r\n\r\n".encode()
 SMALL = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
-class Parsed:
+class Parsed(Messages):
     """What the client got: per message its status, reason, fields but the framing ones,
-    and body; a parse error as a last entry. A HEAD's answer is kept as bytes."""
-
-    def __init__(self, stream: bytes) -> None:
-        self.out: list[Any] = []
-        self.parser = httptools.HttpResponseParser(self)
-        try:
-            self.parser.feed_data(stream)
-        except httptools.HttpParserError as exc:
-            self.out.append(("error", type(exc).__name__))
+    and body; a parse error as a last entry."""
 
     def on_message_begin(self) -> None:
         self.out.append([0, b"", [], b""])
@@ -329,9 +323,6 @@ class Parsed:
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() not in (b"transfer-encoding", b"content-length"):
             self.out[-1][2].append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.out[-1][0] = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
         self.out[-1][3] += body
