@@ -11,6 +11,7 @@ Plain ``int`` bits rather than ``enum.IntFlag``: they are set and cleared per re
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -71,6 +72,23 @@ DENSE_LINES = 32
 def dense_start(data: bytes, start: int = 0) -> bool:
     """The read, from ``start`` on, begins as a flood of tiny pieces would (DENSE_SAMPLE)."""
     return data.count(b"\r\n", start, start + DENSE_SAMPLE) > DENSE_LINES
+
+
+# A chunk-size line after a line end (RFC 9112 §7.1: hex digits, then optional whitespace or
+# extensions, then CRLF). Unbounded digits: leading zeros must not hide a line from the count.
+_SIZE_LINE = re.compile(rb"\n[0-9A-Fa-f]+[\t ;\r]")
+
+
+def dense_framing(data: bytes, start: int = 0) -> bool:
+    """Within a chunked body: the read's first KiB from ``start`` holds chunk-size lines at
+    the density of a flood (more than DENSE_LINES // 2: chunks of under 64 bytes on average),
+    not only line ends of the payload (CSV rows, logs: found by review, such reads were
+    sliced one after another). A regular expression in C, ~5 µs per KiB here, stopped at the
+    count; called only for a read that dense_start already found dense."""
+    for lines, _ in enumerate(_SIZE_LINE.finditer(data, start, start + DENSE_SAMPLE), 1):
+        if lines > DENSE_LINES // 2:
+            return True
+    return False
 
 
 def slice_bounds(size: int, first: int, most: int) -> Iterator[tuple[int, int]]:

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 
 from relay.core import headers as header_rules
-from relay.flow import FLOOD_PIECES, FLOOD_SLICE, FLOOD_SLICE_MAX, dense_start, slice_bounds
+from relay.flow import (
+    FLOOD_PIECES,
+    FLOOD_SLICE,
+    FLOOD_SLICE_MAX,
+    dense_framing,
+    dense_start,
+    slice_bounds,
+)
 from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
 
 if TYPE_CHECKING:
@@ -249,10 +256,14 @@ class ResponseReader:
                 # chunked one, and the memo of a response over 8 KiB (_remember).
                 # Inside a body, a connection that sent a flood before is sliced from then on.
                 # Else each chunk has two CRLFs: counting them in the read's first KiB tells a
-                # flood from ordinary chunks before any copy (relay.flow.dense_start); an
-                # ordinary read stays one feed and one client write (found by review: slicing
-                # every large body read cost a copy and a second writev).
-                and (not self._in_body or self._sliced or dense_start(data))
+                # flood from ordinary chunks before any copy (relay.flow.dense_start), and a
+                # count of chunk-size lines a flood from CRLF-dense text (dense_framing: a CSV
+                # download was sliced read after read, found by review); an ordinary read
+                # stays one feed and one client write (found by review: slicing every large
+                # body read cost a copy and a second writev).
+                and (
+                    not self._in_body or self._sliced or (dense_start(data) and dense_framing(data))
+                )
             ):
                 return self._slices(data)
             self.pieces = 0

@@ -34,6 +34,7 @@ from relay.flow import (
     PAUSE_QUEUE,
     PAUSE_UPGRADE,
     YIELD_EVENTS,
+    dense_framing,
     dense_start,
 )
 from relay.forward import Exchange
@@ -158,13 +159,20 @@ class ClientConnection(Slices, asyncio.Protocol):
         if (
             len(data) > FLOOD_SLICE
             and self._slicing is None  # (not a slice it feeds: those are fed as they are)
-            # A sliced connection's large reads, and a read that may begin a message and
-            # begins dense: a client's first dense read was fed whole, ~8 ms of 1-byte chunks
-            # or ~30 ms of pipelined tiny requests per 256 KiB (relay.flow.dense_start, ~1 µs
-            # per large read). Not within a body, whose payload may be CRLF-dense text (found
-            # by review: a chunked CSV upload was sliced read after read, 25 upstream writes
-            # each); a flood that starts there is fed whole once, then the connection sliced.
-            and (self._sliced or ((self._in_head or not self._mid_message) and dense_start(data)))
+            # A sliced connection's large reads, and a read that begins dense: a client's first
+            # dense read was fed whole, ~8 ms of 1-byte chunks or ~30 ms of pipelined tiny
+            # requests per 256 KiB (relay.flow.dense_start, ~1 µs per large read). Within a
+            # body, dense with chunk-size lines, not only line ends: the payload's may be
+            # CRLF-dense text (found by review: a chunked CSV upload was sliced read after
+            # read, 25 upstream writes each), while a flood in the first read after the head
+            # was fed whole on every new connection (found by the next review).
+            and (
+                self._sliced
+                or (
+                    dense_start(data)
+                    and (self._in_head or not self._mid_message or dense_framing(data))
+                )
+            )
         ):
             self._slices(data)
             return

@@ -268,3 +268,29 @@ def test_an_endless_run_of_interim_responses_is_a_502(tmp_path: Path) -> None:
     assert got.count(b" 103 Early Hints") == response.MAX_INTERIM
     assert got[got.rindex(b"HTTP/1.1 ") :].startswith(b"HTTP/1.1 502 ")
     assert wired.upstream_transport.closing
+
+
+def test_a_chunked_download_of_csv_rows_is_one_feed_per_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a body read whose first KiB is dense with the payload's line ends
+    (RFC 4180 rows end in CRLF) was sliced, 10 feeds per read instead of 1; chunk-size lines
+    are what a flood is dense with."""
+    row = b"2026-12-01,13:50,42.0\r\n"
+    chunk = row * (16384 // len(row))
+    body = (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 16
+    feeds: list[int] = []
+    feed = response.ResponseReader._feed
+
+    def counted(reader: response.ResponseReader, data: bytes) -> None:
+        feeds.append(len(data))
+        feed(reader, data)
+
+    monkeypatch.setattr(response.ResponseReader, "_feed", counted)
+    wired = streaming(tmp_path)
+    feeds.clear()
+    for _ in range(4):
+        wired.upstream.data_received(body)
+        wired.turns.end()
+    assert len(feeds) == 4
+    assert decoded(client_got(wired))[1] == chunk * 16 * 4

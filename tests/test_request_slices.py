@@ -195,6 +195,22 @@ def test_a_chunked_upload_of_csv_rows_is_one_feed_and_one_write_per_read(tmp_pat
     assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1] == chunk * 16 * 4
 
 
+@pytest.mark.parametrize("size_line", [b"1", b"0" * 20 + b"1", b"1;e=v"])
+def test_a_flood_in_the_first_read_after_the_head_yields(tmp_path: Path, size_line: bytes) -> None:
+    """Found by review: with the dense start tested only where a message may begin, a client
+    sending its head, then 1-byte chunks, had that read fed whole on every new connection
+    (17.5 ms per 256 KiB). Within a body, chunk-size lines are counted: leading zeros or an
+    extension do not hide them."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD)
+    wired.turns.end()
+    wired.client.data_received((size_line + b"\r\nx\r\n") * 20_000)
+    assert not reading(wired)
+    assert 0 < upstream_got(wired)[len(HEAD) :].count(b"x") <= flow.FLOOD_SLICE // 6 + 1
+    run_turns(wired)
+    assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1] == b"x" * 20_000
+
+
 # -- a sliced connection ----------------------------------------------------------------------
 def sliced(tmp_path: Path) -> Wired:
     """A connection whose upload began with a dense read: its large reads are sliced."""
