@@ -528,6 +528,10 @@ class ResponseReader:
         self._head_bytes += len(name) + len(value) + 4  # trailers are counted too
         if self._in_head:
             self._headers.append((name, value))
+        else:
+            # A trailer field: one callback, as a chunk is (found by review: a read of
+            # 12,000 tiny trailers took 4 ms, never counted, never yielding).
+            self.pieces += 1
 
     def on_headers_complete(self) -> None:
         parser = self.parser

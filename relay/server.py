@@ -330,6 +330,10 @@ class ClientConnection(Slices, asyncio.Protocol):
         if self._in_head:  # fields after the body are trailers: relay does not forward them
             self._headers.append((name, value))
             self._head_bytes += len(name) + len(value) + 4
+        else:
+            # One callback each, as a body piece is (found by review: 16 pipelined requests
+            # with 4,000 tiny trailers each took 12.9 ms of one read, never dense).
+            self._read_pieces += 1
 
     def on_headers_complete(self) -> None:
         parser = self.parser

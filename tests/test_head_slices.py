@@ -418,3 +418,22 @@ def test_head_reads_sliced_or_whole_answer_alike(
         whole = relay_answer(base / "whole", request, reads, eof)
     heads.RESPONSES.clear()
     assert sliced == whole
+
+
+def test_a_read_of_tiny_trailers_yields(tmp_path: Path) -> None:
+    """Found by review: a trailer field is one callback, as a chunk is, but was not counted:
+    a response of a head, one chunk and 12,000 tiny trailers in one read took ~4 ms, on the
+    same pooled connection response after response, without a turn for the others."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(
+        CHUNKED + b"10\r\n" + b"y" * 16 + b"\r\n0\r\n" + b"a:\r\n" * 12_000 + b"\r\n"
+    )
+    assert not upstream_reading(wired)  # the rest of the trailers in a later turn
+    turns = 0
+    while wired.turns.pending and turns < 100:
+        wired.turns.pending.pop(0)()
+        turns += 1
+    assert decoded(client_got(wired))[1] == b"y" * 16
+    assert wired.client.active is None
