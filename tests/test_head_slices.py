@@ -437,3 +437,20 @@ def test_a_read_of_tiny_trailers_yields(tmp_path: Path) -> None:
         turns += 1
     assert decoded(client_got(wired))[1] == b"y" * 16
     assert wired.client.active is None
+
+
+def test_a_read_of_trailers_alone_after_the_head_read_yields(tmp_path: Path) -> None:
+    """Found by review: a guest sending its head and last chunk, then a read of tiny trailer
+    fields, had that read fed whole (~4-6 ms), once per response with Connection: close."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(GET)
+    wired.turns.end()
+    wired.upstream.data_received(CHUNKED + b"10\r\n" + b"y" * 16 + b"\r\n0\r\n")
+    wired.turns.end()
+    wired.upstream.data_received(b"a:\r\n" * 10_000 + b"\r\n")  # under RESPONSE_HEAD_LIMIT
+    assert not upstream_reading(wired)
+    turns = 0
+    while wired.turns.pending and turns < 100:
+        wired.turns.pending.pop(0)()
+        turns += 1
+    assert wired.client.active is None

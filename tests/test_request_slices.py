@@ -219,6 +219,41 @@ def test_a_read_of_requests_with_tiny_trailers_yields(tmp_path: Path) -> None:
     assert unparsed(wired)  # the rest of the read waits for a later turn
 
 
+def test_a_read_of_trailers_alone_yields(tmp_path: Path) -> None:
+    """Found by review: a read of tiny trailer fields after the last chunk, in a read of its
+    own, was fed whole (~9 ms per 256 KiB), on every new connection: within a body, field
+    lines count as chunk-size lines do (relay.flow.dense_framing)."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD + b"1\r\nx\r\n0\r\n")
+    wired.turns.end()
+    wired.client.data_received(b"a:\r\n" * 4000)  # under max_header_bytes
+    assert unparsed(wired)
+
+
+def test_the_framing_count_stops_early_on_rows_of_short_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: each row like "17" is a size line whose data does not end where the
+    size says, checked in Python: 0.4-0.65 ms per read of them. A chunk of under 64 bytes
+    holds at most 21, so the count stops at 21 without a chunk."""
+    seen: list[int] = []
+    pattern = flow._SIZE_LINE
+
+    class Counting:
+        def finditer(self, data: bytes, start: int, end: int) -> Any:
+            for match in pattern.finditer(data, start, end):
+                seen.append(1)
+                yield match
+
+    monkeypatch.setattr(flow, "_SIZE_LINE", Counting())
+    rows = b"17\r\n" * 60_000
+    assert flow.dense_start(rows)
+    assert not flow.dense_framing(rows)
+    assert len(seen) == 21
+    seen.clear()
+    assert flow.dense_framing(b"1\r\n0\r\n" * 2000)  # 1-byte chunks of "0": a flood still
+
+
 # -- a sliced connection ----------------------------------------------------------------------
 def sliced(tmp_path: Path) -> Wired:
     """A connection whose upload began with a dense read: its large reads are sliced."""
