@@ -596,5 +596,10 @@ class ResponseReader:
         if self.interim:
             self.interim = False
             return
+        if self._head_bytes > RESPONSE_HEAD_LIMIT:
+            # Trailers past the limit, ended in this feed: refused as a sliced read refuses
+            # them before their end (found by review: fed whole, they passed).
+            self._owner.response_malformed("upstream: response head or trailers too large")
+            return
         self._ended = True
         self._owner.response_end()

@@ -454,3 +454,16 @@ def test_a_read_of_trailers_alone_after_the_head_read_yields(tmp_path: Path) -> 
         wired.turns.pending.pop(0)()
         turns += 1
     assert wired.client.active is None
+
+
+def test_trailers_over_the_limit_are_refused_sliced_or_whole(tmp_path: Path) -> None:
+    """Found by review: a trailer section over RESPONSE_HEAD_LIMIT was cut when its read was
+    sliced (checked before the section ended) and relayed when it was fed whole."""
+    read = CHUNKED + b"0\r\n" + b"a:\r\n" * 15_000 + b"\r\n"
+    heads.RESPONSES.clear()
+    sliced = relay_answer(tmp_path / "sliced", GET, [read], False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(response, "FLOOD_SLICE", 1 << 40)
+        whole = relay_answer(tmp_path / "whole", GET, [read], False)
+    assert sliced == whole
+    assert sliced[1]  # the upstream connection is closed, not reused
