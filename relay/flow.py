@@ -36,9 +36,8 @@ PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn f
 YIELD_EVENTS = 128
 
 # A response read of more than FLOOD_SLICE bytes is fed to llhttp in slices (slice_bounds)
-# when it holds a head, or lies inside a body that llhttp parses (chunked, or one that ends
-# at close) and its first FLOOD_SLICE bytes are dense with chunk lines or an earlier read of
-# the connection was a flood; after a slice of more than
+# when it holds a head, or lies inside a body that llhttp parses and a flood lies ahead in it
+# (flood_ahead) or an earlier read of the connection was a flood; after a slice of more than
 # FLOOD_PIECES body pieces (chunks of under 64 bytes on average), the rest of the read waits
 # for the next turn of the event loop, the upstream unread meanwhile (relay.response). A read
 # fed whole that held more than FLOOD_PIECES pieces (or 1xx heads) gives the others a turn
@@ -53,8 +52,8 @@ FLOOD_PIECES = 128
 # review: slicing every later read at 8 KiB tripled an ordinary upload's CPU). A dense slice
 # of FLOOD_SLICE_MAX bytes is ~5,500 1-byte chunks, measured by review at ~0.75 ms of a
 # request body and ~2.5 ms of a response (whose pieces are framed for the client); 64 KiB
-# measured twice that. Not bounded this way: a client connection's first dense read is fed
-# whole (README, "Decisions").
+# measured twice that. Not bounded this way: a read whose flood lies behind an ordinary first
+# KiB is fed whole, once per connection (README, "Decisions").
 FLOOD_SLICE_MAX = 32 * 1024
 
 
@@ -69,9 +68,9 @@ DENSE_SAMPLE = 1024
 DENSE_LINES = 32
 
 
-def dense_start(data: bytes, start: int = 0) -> bool:
-    """The read, from ``start`` on, begins as a flood of tiny pieces would (DENSE_SAMPLE)."""
-    return data.count(b"\r\n", start, start + DENSE_SAMPLE) > DENSE_LINES
+def dense_start(data: bytes) -> bool:
+    """The read begins dense with line ends, as a flood of tiny pieces does (DENSE_SAMPLE)."""
+    return data.count(b"\r\n", 0, DENSE_SAMPLE) > DENSE_LINES
 
 
 # The size line of a chunk of under 64 bytes after a line end (RFC 9112 §7.1: hex digits,
@@ -83,8 +82,8 @@ _SIZE_LINE = re.compile(rb"\n0*([0-3]?[0-9A-Fa-f])[\t ;\r]")
 _FIELD_LINE = re.compile(rb"\n[-!#$%&'*+.^_`|~0-9A-Za-z]+:")
 
 
-def dense_framing(data: bytes, start: int = 0) -> bool:
-    """Within a chunked body: the read's first KiB from ``start`` holds more than
+def dense_framing(data: bytes) -> bool:
+    """Within a chunked body: the read's first KiB holds more than
     DENSE_LINES // 2 chunks of under 64 bytes, each a size line whose data ends in CRLF where
     the size says, or as many trailer fields (each one callback, as a chunk is). Line ends of
     the payload are not counted (a CSV download or upload was sliced read after read, found
@@ -95,7 +94,7 @@ def dense_framing(data: bytes, start: int = 0) -> bool:
     limit). ~8 µs per KiB of text, ~20 µs of short numbers, ~15-25 µs of a flood; called
     only for a read that dense_start already found dense."""
     lines = misses = 0
-    for match in _SIZE_LINE.finditer(data, start, start + DENSE_SAMPLE):
+    for match in _SIZE_LINE.finditer(data, 0, DENSE_SAMPLE):
         lf = data.find(b"\n", match.end() - 1)
         if lf < 0:
             break
@@ -108,10 +107,18 @@ def dense_framing(data: bytes, start: int = 0) -> bool:
         lines += 1
         if lines > DENSE_LINES // 2:
             return True
-    for fields, _ in enumerate(_FIELD_LINE.finditer(data, start, start + DENSE_SAMPLE), 1):
+    for fields, _ in enumerate(_FIELD_LINE.finditer(data, 0, DENSE_SAMPLE), 1):
         if fields > DENSE_LINES // 2:
             return True
     return False
+
+
+def flood_ahead(data: bytes, at_message_start: bool) -> bool:
+    """The read begins as a flood of tiny pieces does: dense with line ends, and within a body
+    (not ``at_message_start``, where pipelined heads are the flood) with chunk-size lines or
+    trailer fields too. The one test both sides apply to a large read of a connection not
+    yet sliced (relay.server, relay.response)."""
+    return dense_start(data) and (at_message_start or dense_framing(data))
 
 
 def slice_bounds(size: int, first: int, most: int) -> Iterator[tuple[int, int]]:

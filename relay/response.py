@@ -26,8 +26,7 @@ from relay.flow import (
     FLOOD_PIECES,
     FLOOD_SLICE,
     FLOOD_SLICE_MAX,
-    dense_framing,
-    dense_start,
+    flood_ahead,
     slice_bounds,
 )
 from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
@@ -39,9 +38,9 @@ if TYPE_CHECKING:
 # llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
 # guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.
 RESPONSE_HEAD_LIMIT = 64 * 1024
-# Interim (1xx) responses relayed before a final one. RFC 9110 §15.2 sets no bound, and a read
-# of them is parsed whole (only body reads are sliced, relay.flow): an upstream sending them
-# without end cost ~13 ms per 256 KiB read, every turn (found by review). Go's HTTP client
+# Interim (1xx) responses relayed before a final one. RFC 9110 §15.2 sets no bound, and an
+# upstream sending them without end cost ~13 ms per 256 KiB read, every turn (found by review;
+# each now counts as a piece of a sliced read too). Go's HTTP client
 # stops at 5; this is generous for 100 Continue, 103 Early Hints and a long run of 102
 # Processing. Past it the response is malformed: 502, or a cut once the final one started.
 MAX_INTERIM = 64
@@ -124,6 +123,12 @@ class _Detached:
 
 
 DETACHED: Events = _Detached()
+
+
+def _out_of_turn(after: bytes) -> bool:
+    """Bytes after a complete response make its connection unusable, but for line ends, which
+    llhttp skips between messages (a read fed whole keeps the connection after them)."""
+    return bool(after.strip(b"\r\n"))
 
 
 class _AfterResponse(Exception):
@@ -251,19 +256,16 @@ class ResponseReader:
                 # A read that holds a response head (or part of one) is always sliced: what
                 # follows the head is unknown until llhttp has read it, and a guest answering
                 # each request with a head and 256 KiB of 1-byte chunks held the loop ~50 ms
-                # per response (found by review). It costs one copy of the read's rest for a
-                # Content-Length body (passed on after the first slice), a few feeds for a
-                # chunked one, and the memo of a response over 8 KiB (_remember).
+                # per response (found by review). It costs one copy of the read (one client
+                # write still, _slices) and nothing for a Content-Length body, passed on after
+                # the first slice.
                 # Inside a body, a connection that sent a flood before is sliced from then on.
-                # Else each chunk has two CRLFs: counting them in the read's first KiB tells a
-                # flood from ordinary chunks before any copy (relay.flow.dense_start), and a
-                # count of chunk-size lines a flood from CRLF-dense text (dense_framing: a CSV
-                # download was sliced read after read, found by review); an ordinary read
-                # stays one feed and one client write (found by review: slicing every large
-                # body read cost a copy and a second writev).
-                and (
-                    not self._in_body or self._sliced or (dense_start(data) and dense_framing(data))
-                )
+                # Else the read's first KiB tells a flood from ordinary chunks or CRLF-dense
+                # text before any copy (relay.flow.flood_ahead: a CSV download was sliced read
+                # after read, found by review); an ordinary read stays one feed and one client
+                # write (found by review: slicing every large body read cost a copy and a
+                # second writev).
+                and (not self._in_body or self._sliced or flood_ahead(data, False))
             ):
                 return self._slices(data)
             self.pieces = 0
@@ -322,9 +324,8 @@ class ResponseReader:
             if self._ended or self._extra:
                 # The response is complete: what follows can only be dropped, and the
                 # connection not reused, which llhttp would tell only after calling relay
-                # three times per chunk of it (found by review). Line ends llhttp skips
-                # between messages leave the connection reusable, as in a whole read.
-                if data[end:].strip(b"\r\n"):
+                # three times per chunk of it (found by review).
+                if _out_of_turn(data[end:]):
                     self._extra = True
                     conn = self._owner.upstream
                     if conn is not None:
@@ -484,9 +485,8 @@ class ResponseReader:
             self._body_left = left - len(data)
             owner.response_passed(data)
             return
-        # Line ends after a response are skipped by llhttp between messages, as in a whole
-        # read (found by review: they closed a reusable connection).
-        extra = len(data) > left and bool(data[left:].strip(b"\r\n"))
+        # (found by review: line ends after the body closed a reusable connection)
+        extra = len(data) > left and _out_of_turn(data[left:])
         self._extra = extra
         self._body_left = 0
         # llhttp never saw this body: it still waits for it, so it cannot read a next response

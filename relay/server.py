@@ -34,8 +34,7 @@ from relay.flow import (
     PAUSE_QUEUE,
     PAUSE_UPGRADE,
     YIELD_EVENTS,
-    dense_framing,
-    dense_start,
+    flood_ahead,
 )
 from relay.forward import Exchange
 from relay.heads import KNOWN_HEAD_BYTES, REQUESTS, KnownRequest, remember
@@ -161,18 +160,12 @@ class ClientConnection(Slices, asyncio.Protocol):
             and self._slicing is None  # (not a slice it feeds: those are fed as they are)
             # A sliced connection's large reads, and a read that begins dense: a client's first
             # dense read was fed whole, ~8 ms of 1-byte chunks or ~30 ms of pipelined tiny
-            # requests per 256 KiB (relay.flow.dense_start, ~1 µs per large read). Within a
+            # requests per 256 KiB (relay.flow.flood_ahead, ~1 µs per large read). Within a
             # body, dense with chunk-size lines, not only line ends: the payload's may be
             # CRLF-dense text (found by review: a chunked CSV upload was sliced read after
             # read, 25 upstream writes each), while a flood in the first read after the head
             # was fed whole on every new connection (found by the next review).
-            and (
-                self._sliced
-                or (
-                    dense_start(data)
-                    and (self._in_head or not self._mid_message or dense_framing(data))
-                )
-            )
+            and (self._sliced or flood_ahead(data, self._in_head or not self._mid_message))
         ):
             self._slices(data)
             return

@@ -12,12 +12,10 @@ loop for 0.6-7 s at a time, every other client waiting (measured on loopback; RE
 - **Slices.** A sliced connection's reads over :data:`~relay.flow.FLOOD_SLICE` bytes are fed
   to llhttp a slice at a time, each twice the last up to :data:`~relay.flow.FLOOD_SLICE_MAX`;
   after a dense slice the rest of the read waits for the next turn (:attr:`Slices._rest`),
-  the client unread meanwhile. So is a read over FLOOD_SLICE bytes whose first KiB is dense
-  with CRLFs (:func:`relay.flow.dense_start`), before any dense read: where it may begin a
-  message, or within a body when they are chunk-size lines (:func:`relay.flow.dense_framing`;
-  the payload's own may be CRLF-dense text). An ordinary connection,
-  whose reads are a few pieces each, is never sliced and pays ~1 µs per large read for that
-  test; a sliced one stays sliced (a flood need not start a message).
+  the client unread meanwhile. So is a read over FLOOD_SLICE bytes that begins as a flood
+  does (:func:`relay.flow.flood_ahead`), before any dense read. An ordinary connection, whose
+  reads are a few pieces each, is never sliced and pays ~1 µs per large read for that test;
+  a sliced one stays sliced (a flood need not start a message).
 
 What the slices change must be invisible: the rest of a read is fed before any later read
 (``data_received`` appends to it: the TLS hand-over feeds its early reads in a row), an

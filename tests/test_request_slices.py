@@ -240,7 +240,7 @@ def test_the_framing_count_stops_early_on_rows_of_short_numbers(
     pattern = flow._SIZE_LINE
 
     class Counting:
-        def finditer(self, data: bytes, start: int, end: int) -> Any:
+        def finditer(self, data: bytes, start: int, end: int) -> Any:  # as re.Pattern's
             for match in pattern.finditer(data, start, end):
                 seen.append(1)
                 yield match
