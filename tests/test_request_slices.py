@@ -538,3 +538,34 @@ def test_reads_while_lingering_are_dropped_not_kept(tmp_path: Path) -> None:
     wired.client.close()  # mid-request: lingers, reading on
     wired.client.data_received(b"z" * 100_000)
     assert len(wired.client._rest) < 40_000
+
+
+def trailers(size: int) -> bytes:
+    """A trailer section of about ``size`` bytes of ordinary fields (not dense: lines of
+    ~70 bytes), after a 5-byte body."""
+    lines = b"".join(b"x-trailer-%05d: %s\r\n" % (n, b"t" * 48) for n in range(size // 70))
+    return b"5\r\nhello\r\n0\r\n" + lines + b"\r\n"
+
+
+@pytest.mark.parametrize("fed", ["whole", "sliced"])
+@pytest.mark.parametrize(("size", "refused"), [(24_000, True), (12_000, False)])
+def test_trailers_past_the_head_limit_are_refused_fed_whole_or_sliced(
+    tmp_path: Path, fed: str, size: int, refused: bool
+) -> None:
+    """Found by review: a trailer section past listen.max_header_bytes (16 KiB) that ended in
+    the read with the last chunk was passed when the read was fed whole, and refused (431)
+    when it was sliced, where a slice of trailers alone makes no progress."""
+    wired = make_wired(tmp_path, busy=1 << 30) if fed == "whole" else sliced(tmp_path)
+    read = (HEAD if fed == "whole" else b"") + trailers(size)
+    assert not flow.flood_ahead(read, True)  # ordinary: fed whole unless sliced before
+    wired.client.data_received(read)
+    run_turns(wired)
+    if refused:
+        assert wired.client_transport.data.startswith(b"HTTP/1.1 431 ")
+        assert b"Request trailers too large" in wired.client_transport.data
+        assert wired.client.closing  # (a lingering close: the transport closes later)
+    else:
+        assert wired.client_transport.data == b""  # the upstream answers
+        assert answer(wired)
+        assert wired.client_transport.data.startswith(b"HTTP/1.1 200 ")
+        assert not wired.client_transport.closing
