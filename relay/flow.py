@@ -11,6 +11,8 @@ Plain ``int`` bits rather than ``enum.IntFlag``: they are set and cleared per re
 
 from __future__ import annotations
 
+import itertools
+import random
 import re
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,8 +54,8 @@ FLOOD_PIECES = 128
 # review: slicing every later read at 8 KiB tripled an ordinary upload's CPU). A dense slice
 # of FLOOD_SLICE_MAX bytes is ~5,500 1-byte chunks, measured by review at ~0.75 ms of a
 # request body and ~2.5 ms of a response (whose pieces are framed for the client); 64 KiB
-# measured twice that. Not bounded this way: a read whose flood lies behind an ordinary first
-# KiB is fed whole, once per connection (README, "Decisions").
+# measured twice that. Not bounded this way: a flood that flood_ahead's windows miss is fed
+# whole, once per connection (README, "Decisions").
 FLOOD_SLICE_MAX = 32 * 1024
 
 
@@ -62,8 +64,8 @@ FLOOD_SLICE_MAX = 32 * 1024
 # or chunks of under 64 bytes on average, the density of FLOOD_PIECES pieces in FLOOD_SLICE
 # bytes. The count is a scan in C at ~1 ns per byte here: over 8 KiB it cost ~9 µs per
 # 256 KiB read of a chunked download, a quarter of relaying it (measured in-process); over
-# 1 KiB, ~1 µs. A flood behind an ordinary first KiB is fed whole once, and then its
-# connection is sliced.
+# 1 KiB, ~1 µs. A flood behind an ordinary first KiB is looked for in two windows further on
+# (flood_ahead).
 DENSE_SAMPLE = 1024
 DENSE_LINES = 32
 
@@ -82,19 +84,21 @@ _SIZE_LINE = re.compile(rb"\n0*([0-3]?[0-9A-Fa-f])[\t ;\r]")
 _FIELD_LINE = re.compile(rb"\n[-!#$%&'*+.^_`|~0-9A-Za-z]+:")
 
 
-def dense_framing(data: bytes) -> bool:
-    """Within a chunked body: the read's first KiB holds more than
-    DENSE_LINES // 2 chunks of under 64 bytes, each a size line whose data ends in CRLF where
-    the size says, or as many trailer fields (each one callback, as a chunk is). Line ends of
+def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
+    """Within a chunked body: ``data[start:end]`` (the read's first KiB, or a window,
+    flood_ahead) holds more than DENSE_LINES // 2 chunks of under 64 bytes per KiB, each a
+    size line whose data ends in CRLF where the size says, or as many trailer fields (each
+    one callback, as a chunk is). Line ends of
     the payload are not counted (a CSV download or upload was sliced read after read, found
     by review), nor rows of short numbers or hex words (found by the next review). Such rows
     stop the count early: a chunk of under 64 bytes holds at most 21 of them, so more than
     20 per chunk counted so far is text (without the stop, 0.4-0.65 ms per read of them,
-    found by review; a flood behind such a start is the documented once-per-connection
-    limit). ~8 µs per KiB of text, ~20 µs of short numbers, ~15-25 µs of a flood; called
-    only for a read that dense_start already found dense."""
+    found by review; a flood behind such a start is looked for further on, flood_ahead).
+    ~8 µs per KiB of text, ~20 µs of short numbers, ~15-25 µs of a flood; called only for a
+    span that is dense with line ends."""
+    need = DENSE_LINES // 2 * (end - start) // DENSE_SAMPLE
     lines = misses = 0
-    for match in _SIZE_LINE.finditer(data, 0, DENSE_SAMPLE):
+    for match in _SIZE_LINE.finditer(data, start, end):
         lf = data.find(b"\n", match.end() - 1)
         if lf < 0:
             break
@@ -105,20 +109,47 @@ def dense_framing(data: bytes) -> bool:
                 return False
             continue
         lines += 1
-        if lines > DENSE_LINES // 2:
+        if lines > need:
             return True
-    for fields, _ in enumerate(_FIELD_LINE.finditer(data, 0, DENSE_SAMPLE), 1):
-        if fields > DENSE_LINES // 2:
-            return True
-    return False
+    fields = _FIELD_LINE.finditer(data, start, end)
+    return sum(1 for _ in itertools.islice(fields, need + 1)) > need
+
+
+# A flood behind an ordinary first KiB was fed whole, once per connection: 8-9 ms of a
+# client's 256 KiB read of 1-byte chunks, ~27 ms of a guest's response (in-process), each
+# time on a new connection. So two windows of DENSE_WINDOW bytes after the first KiB are
+# tested too, each at a random place: fixed places are known, and an attacker would keep them
+# ordinary. A flood over a share f of the rest of the read, however laid out, goes unseen
+# with a chance of (1 - f)^2, so the most a read can be expected to cost fed whole is 4/27
+# of a whole flood's (f = 1/3), not all of it (two windows half the read apart would leave a
+# quarter to two runs half the read apart). The longest a callback held the loop was then
+# ~1 ms for either. A window costs a random draw and a count over 256 bytes (~0.7-1.5 µs here),
+# and dense_framing (~2 µs) when it is dense with line ends (CSV text, a flood).
+DENSE_WINDOW = 256
+# Seeded from os.urandom. Not a secret: a peer sees no draw (os.urandom per read would be a
+# system call per large read).
+_places = random.Random()  # noqa: S311
 
 
 def flood_ahead(data: bytes, at_message_start: bool) -> bool:
-    """The read begins as a flood of tiny pieces does: dense with line ends, and within a body
-    (not ``at_message_start``, where pipelined heads are the flood) with chunk-size lines or
-    trailer fields too. The one test both sides apply to a large read of a connection not
-    yet sliced (relay.server, relay.response)."""
-    return dense_start(data) and (at_message_start or dense_framing(data))
+    """The read is a flood of tiny pieces, or holds one: it begins dense with line ends (and
+    within a body, not ``at_message_start``, where pipelined heads are the flood, with
+    chunk-size lines or trailer fields too), or one of two windows further on is dense with
+    chunk-size lines, trailer fields or request heads' field lines. The one test both sides
+    apply to a large read of a connection not yet sliced (relay.server, relay.response)."""
+    if dense_start(data) and (at_message_start or dense_framing(data)):
+        return True
+    span = len(data) - DENSE_SAMPLE - DENSE_WINDOW
+    if span <= 0:
+        return False
+    for _ in range(2):
+        start = DENSE_SAMPLE + int(_places.random() * span)
+        end = start + DENSE_WINDOW
+        if data.count(b"\r\n", start, end) > DENSE_LINES * DENSE_WINDOW // DENSE_SAMPLE and (
+            dense_framing(data, start, end)
+        ):
+            return True
+    return False
 
 
 def slice_bounds(size: int, first: int, most: int) -> Iterator[tuple[int, int]]:

@@ -260,18 +260,18 @@ class ResponseReader:
                 # write still, _slices) and nothing for a Content-Length body, passed on after
                 # the first slice.
                 # Inside a body, a connection that sent a flood before is sliced from then on.
-                # Else the read's first KiB tells a flood from ordinary chunks or CRLF-dense
-                # text before any copy (relay.flow.flood_ahead: a CSV download was sliced read
-                # after read, found by review); an ordinary read stays one feed and one client
-                # write (found by review: slicing every large body read cost a copy and a
-                # second writev).
+                # Else the read's first KiB and two windows further on tell a flood from
+                # ordinary chunks or CRLF-dense text before any copy (relay.flow.flood_ahead:
+                # a CSV download was sliced read after read, found by review); an ordinary
+                # read stays one feed and one client write (found by review: slicing every
+                # large body read cost a copy and a second writev).
                 and (not self._in_body or self._sliced or flood_ahead(data, False))
             ):
                 return self._slices(data)
             self.pieces = 0
             self._feed(data)
             if self.pieces > FLOOD_PIECES:
-                # A flood behind an ordinary first slice, or in a read of at most 8 KiB: fed
+                # A flood flood_ahead's windows missed, or in a read of at most 8 KiB: fed
                 # whole this once, and this connection's later reads are sliced.
                 self._sliced = self.dense = True
             return b""

@@ -162,9 +162,10 @@ class ClientConnection(Slices, asyncio.Protocol):
         if (
             len(data) > FLOOD_SLICE
             and self._slicing is None  # (not a slice it feeds: those are fed as they are)
-            # A sliced connection's large reads, and a read that begins dense: a client's first
-            # dense read was fed whole, ~8 ms of 1-byte chunks or ~30 ms of pipelined tiny
-            # requests per 256 KiB (relay.flow.flood_ahead, ~1 µs per large read). Within a
+            # A sliced connection's large reads, and a read that begins dense or is dense in
+            # one of two windows further on: a client's first dense read was fed whole, ~8 ms
+            # of 1-byte chunks or ~30 ms of pipelined tiny requests per 256 KiB
+            # (relay.flow.flood_ahead, ~1-3 µs per large read). Within a
             # body, dense with chunk-size lines, not only line ends: the payload's may be
             # CRLF-dense text (found by review: a chunked CSV upload was sliced read after
             # read, 25 upstream writes each), while a flood in the first read after the head

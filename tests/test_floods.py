@@ -170,25 +170,46 @@ def test_a_flood_with_an_unbound_outbox_keeps_every_byte_in_order(tmp_path: Path
     assert decoded(client_got(wired))[1] == b"x" * 3000 + b"yy"
 
 
-def test_a_flood_behind_an_ordinary_first_slice_yields_then_is_sliced(tmp_path: Path) -> None:
-    """A read whose first 8 KiB is one ordinary chunk is fed whole, flood or not: when it was
-    a flood, the upstream waits a turn (libuv would read it up to 32 times in a row), and its
-    later large reads are sliced whatever their first 8 KiB holds."""
+@pytest.mark.parametrize("places", [(0.0, 0.9), (0.7, 0.1), (0.999, 0.0), (0.6, 0.6)])
+def test_a_flood_behind_an_ordinary_first_kib_is_seen(
+    tmp_path: Path, places: tuple[float, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read whose first 16 KiB is one ordinary chunk, then 1-byte chunks: fed whole before,
+    once per connection. Two windows at random places (relay.flow.flood_ahead): either one
+    in the flood sees it."""
+    monkeypatch.setattr(flow._places, "random", itertools.cycle(places).__next__)
     wired = streaming(tmp_path)
     ordinary = b"4000\r\n" + b"o" * 0x4000 + b"\r\n"
+    wired.upstream.data_received(ordinary + tiny_chunks(3500))
+    assert not upstream_reading(wired)
+    assert decoded(client_got(wired))[1].count(b"x") < 3500  # the rest waits a turn
+    while wired.turns.pending:
+        wired.turns.pending.pop(0)()
+    assert decoded(client_got(wired))[1] == b"o" * 0x4000 + b"x" * 3500
+
+
+def test_a_flood_unseen_behind_an_ordinary_start_yields_then_is_sliced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood both windows miss is fed whole: the upstream waits a turn (libuv would read it
+    up to 32 times in a row), and its later large reads are sliced whatever they hold."""
+    monkeypatch.setattr(flow._places, "random", lambda: 0.3)  # both windows in the 32 KiB
+    wired = streaming(tmp_path)
+    ordinary = b"8000\r\n" + b"o" * 0x8000 + b"\r\n"
     wired.upstream.data_received(ordinary + tiny_chunks(3000))
     assert not upstream_reading(wired)  # fed whole, then a turn for the others
-    assert decoded(client_got(wired))[1] == b"o" * 0x4000 + b"x" * 3000
+    assert decoded(client_got(wired))[1] == b"o" * 0x8000 + b"x" * 3000
     wired.turns.end()
     assert upstream_reading(wired)
     wired.upstream.data_received(ordinary + tiny_chunks(10_000))
     assert not upstream_reading(wired)
-    assert decoded(client_got(wired))[1].count(b"x") < 3000 + flow.FLOOD_SLICE // 6
+    # Slices of 8, 16 and 32 KiB: the third the first with tiny chunks (24 KiB of them).
+    assert decoded(client_got(wired))[1].count(b"x") < 3000 + flow.FLOOD_SLICE_MAX // 6
     turns = 0
     while wired.turns.pending and turns < 100:
         wired.turns.pending.pop(0)()
         turns += 1
-    assert turns >= 10_000 * 6 // flow.FLOOD_SLICE
+    assert turns >= 10_000 * 6 // flow.FLOOD_SLICE_MAX
     assert decoded(client_got(wired))[1].count(b"x") == 13_000
     assert upstream_reading(wired)
 

@@ -230,6 +230,45 @@ def test_a_read_of_trailers_alone_yields(tmp_path: Path) -> None:
     assert unparsed(wired)
 
 
+PIPELINED = f"GET /p HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+
+
+@pytest.mark.parametrize("places", [(0.0, 0.5), (0.4, 0.0), (0.999, 0.999)])
+@pytest.mark.parametrize("flood", ["tiny chunks", "pipelined requests"])
+def test_a_flood_behind_an_ordinary_first_kib_yields(
+    tmp_path: Path, places: tuple[float, float], flood: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new connection's first read, an ordinary start of 2 KiB, then a flood: fed whole
+    before, ~8 ms of 1-byte chunks or ~30 ms of pipelined requests per 256 KiB, on every new
+    connection. Two windows at random places see it (relay.flow.flood_ahead)."""
+    monkeypatch.setattr(flow._places, "random", itertools.cycle(places).__next__)
+    wired = make_wired(tmp_path, busy=1 << 30)
+    if flood == "tiny chunks":
+        read = HEAD + chunks(2048, 1, b"o") + chunks(1, 4000)
+    else:
+        post = f"POST /o HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 2048\r\n\r\n"
+        read = post.encode() + b"o" * 2048 + PIPELINED * 800
+    assert not flow.dense_start(read)
+    wired.client.data_received(read)
+    assert unparsed(wired)  # the rest of the read waits for a later turn
+
+
+def test_ordinary_reads_are_not_floods_wherever_the_windows_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The windows must not slice what the first KiB's test lets through: a chunked download
+    or upload of CSV rows, of 4 KiB chunks, or of binary data, whole or cut anywhere."""
+    rows = b"".join(b"%d,%d,name-%d\r\n" % (n, n * 7, n) for n in range(12_000))
+    csv = b"%x\r\n" % len(rows) + rows + b"\r\n"
+    binary = bytes(range(256)) * 1024
+    reads = [csv, chunks(4096, 60), b"%x\r\n" % len(binary) + binary + b"\r\n"]
+    for place in [n / 40 for n in range(40)]:
+        monkeypatch.setattr(flow._places, "random", lambda place=place: place)
+        for read in reads:
+            for cut in (0, 1, 4099, 70_000):
+                assert not flow.flood_ahead(read[cut:], False), (place, cut, read[:20])
+
+
 def test_the_framing_count_stops_early_on_rows_of_short_numbers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
