@@ -36,6 +36,12 @@ PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn f
 # for 0.6-7 s at a time, every other client waiting (measured; README "Decisions"). An ordinary
 # upload, whose reads are a few pieces each, still reads on.
 YIELD_EVENTS = 128
+# A request head counts as REQUEST_EVENTS of them: relay's work per pipelined request
+# (a decision, an exchange, ~16 µs here) is ~80 times a body piece's, and a slice of 32 KiB
+# held ~109 requests of 300 bytes, never dense, so a read of them was fed slice after slice
+# in one callback (found by review). A client pipelining more than 16 requests in one read
+# is sliced from then on.
+REQUEST_EVENTS = 8
 
 # A response read of more than FLOOD_SLICE bytes is fed to llhttp in slices (slice_bounds)
 # when it holds a head, or lies inside a body that llhttp parses and a flood lies ahead in it
@@ -77,11 +83,14 @@ def dense_start(data: bytes) -> bool:
 
 # The size line of a chunk of under 64 bytes after a line end (RFC 9112 §7.1: hex digits,
 # then extensions or CRLF; llhttp takes leading zeros, so any number of them).
-_SIZE_LINE = re.compile(rb"\n0*([0-3]?[0-9A-Fa-f])[\t ;\r]")
+_SIZE_LINE = re.compile(rb"\n0*([0-3]?[0-9A-Fa-f])[;\r]")  # (llhttp refuses a blank after)
 # A field line after a line end (RFC 9110 §5.1 token, then a colon): of a trailer section,
 # within a body. A leading "\n" lets the engine scan for it in C (an alternative with "^"
 # made the match 7x slower on text).
 _FIELD_LINE = re.compile(rb"\n[-!#$%&'*+.^_`|~0-9A-Za-z]+:")
+# What may follow a chunk: the next chunk's size line, the end of a trailer section, or a
+# trailer field (RFC 9112 §7.1).
+_NEXT_LINE = re.compile(rb"0*[0-9A-Fa-f]{1,16}[;\r]|\r\n|[-!#$%&'*+.^_`|~0-9A-Za-z]+:")
 
 
 def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
@@ -102,9 +111,14 @@ def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
         lf = data.find(b"\n", match.end() - 1)
         if lf < 0:
             break
-        end = lf + 1 + int(match.group(1), 16)
-        if end + 2 <= len(data) and data[end : end + 2] != b"\r\n":
-            misses += 1  # not a chunk: a row that begins with a short hex number
+        stop = lf + 1 + int(match.group(1), 16)  # (not ``end``: the span's, found by review)
+        if stop + 2 < len(data) and (
+            data[stop : stop + 2] != b"\r\n" or not _NEXT_LINE.match(data, stop + 2)
+        ):
+            # Not a chunk: a row that begins with a short hex number, or one whose data ends
+            # in CRLF where the size says but is not followed by a size line or a trailer
+            # field (rows like "5 x y" were, found by review).
+            misses += 1
             if misses > 20 * (lines + 1):
                 return False
             continue
@@ -126,18 +140,28 @@ def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
 # ~1 ms for either. A window costs a random draw and a count over 256 bytes (~0.7-1.5 µs here),
 # and dense_framing (~2 µs) when it is dense with line ends (CSV text, a flood).
 DENSE_WINDOW = 256
+REQUEST_LINE = b" HTTP/1."  # the end of a request line (RFC 9112 §3)
 # Seeded from os.urandom. Not a secret: a peer sees no draw (os.urandom per read would be a
 # system call per large read).
 _places = random.Random()  # noqa: S311
 
 
-def flood_ahead(data: bytes, at_message_start: bool) -> bool:
+def flood_ahead(data: bytes, at_message_start: bool, *, requests: bool = False) -> bool:
     """The read is a flood of tiny pieces, or holds one: it begins dense with line ends (and
     within a body, not ``at_message_start``, where pipelined heads are the flood, with
     chunk-size lines or trailer fields too), or one of two windows further on is dense with
-    chunk-size lines, trailer fields or request heads' field lines. The one test both sides
-    apply to a large read of a connection not yet sliced (relay.server, relay.response)."""
+    chunk-size lines or trailer fields. The one test both sides apply to a large read of a
+    connection not yet sliced (relay.server, relay.response).
+
+    ``requests`` (a client's read): pipelined request heads are a flood too, each far
+    costlier than a body piece (~16 µs, found by review): two request lines in the first KiB,
+    or one in the KiB that ends with a window (so requests of up to 1 KiB, whole-fed at most
+    ~4 ms of them per read behind that, are seen). Requests of 52 bytes or more were too
+    sparse in field lines for a window's count (found by review: 256 KiB of 68-byte
+    requests held the loop 62 ms)."""
     if dense_start(data) and (at_message_start or dense_framing(data)):
+        return True
+    if requests and data.count(REQUEST_LINE, 0, DENSE_SAMPLE) > 1:
         return True
     span = len(data) - DENSE_SAMPLE - DENSE_WINDOW
     if span <= 0:
@@ -145,6 +169,8 @@ def flood_ahead(data: bytes, at_message_start: bool) -> bool:
     for _ in range(2):
         start = DENSE_SAMPLE + int(_places.random() * span)
         end = start + DENSE_WINDOW
+        if requests and data.find(REQUEST_LINE, max(DENSE_SAMPLE, end - DENSE_SAMPLE), end) >= 0:
+            return True
         if data.count(b"\r\n", start, end) > DENSE_LINES * DENSE_WINDOW // DENSE_SAMPLE and (
             dense_framing(data, start, end)
         ):

@@ -33,6 +33,7 @@ from relay.flow import (
     PAUSE_CLIENT_FULL,
     PAUSE_QUEUE,
     PAUSE_UPGRADE,
+    REQUEST_EVENTS,
     YIELD_EVENTS,
     flood_ahead,
 )
@@ -170,7 +171,10 @@ class ClientConnection(Slices, asyncio.Protocol):
             # CRLF-dense text (found by review: a chunked CSV upload was sliced read after
             # read, 25 upstream writes each), while a flood in the first read after the head
             # was fed whole on every new connection (found by the next review).
-            and (self._sliced or flood_ahead(data, self._in_head or not self._mid_message))
+            and (
+                self._sliced
+                or flood_ahead(data, self._in_head or not self._mid_message, requests=True)
+            )
         ):
             self._slices(data)
             return
@@ -203,7 +207,7 @@ class ClientConnection(Slices, asyncio.Protocol):
                 # llhttp ended the request with its head and waits for another (a refusal
                 # before the body, which closes, leaves _at_start unset: found by review).
                 remember(REQUESTS, key, seen, len(seen.headers))
-            if self._read_pieces + self.requests - requests > YIELD_EVENTS:
+            if self._read_pieces + (self.requests - requests) * REQUEST_EVENTS > YIELD_EVENTS:
                 self._dense_read()
         except httptools.HttpParserUpgrade as upgrade:
             self.parser = None

@@ -15,6 +15,7 @@ compares what the upstream and the client get.
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,53 @@ def test_ordinary_reads_are_not_floods_wherever_the_windows_are(
         for read in reads:
             for cut in (0, 1, 4099, 70_000):
                 assert not flow.flood_ahead(read[cut:], False), (place, cut, read[:20])
+
+
+@pytest.mark.parametrize("places", [(0.0, 0.5), (0.4, 0.0), (0.999, 0.999)])
+@pytest.mark.parametrize("size", [68, 300, 600])
+def test_pipelined_requests_behind_an_ordinary_start_yield(
+    tmp_path: Path, places: tuple[float, float], size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: pipelined requests of 52 bytes or more (one field line each) were too
+    sparse for a window's field-line count, and each costs ~16 µs: 256 KiB of 68-byte ones
+    held the loop ~62 ms in one callback. A request line in a window, or two in the first
+    KiB, slice the read; and a request weighs REQUEST_EVENTS pieces, so that a slice of
+    larger ones yields too (a 32 KiB slice held ~109 of 300 bytes, never dense)."""
+    monkeypatch.setattr(flow._places, "random", itertools.cycle(places).__next__)
+    wired = make_wired(tmp_path, busy=1 << 30)
+    post = f"POST /o HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 2048\r\n\r\n".encode()
+    fields = f" HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()  # one field line each
+    request = b"GET /" + b"p" * (size - 5 - len(fields)) + fields
+    count = 200_000 // size
+    wired.client.data_received(post + b"o" * 2048 + request * count)
+    assert unparsed(wired)  # the rest waits for a later turn
+    assert wired.client.requests < count // 4  # and only a small part was taken in
+
+
+def test_trailer_fields_after_the_last_chunk_are_counted_in_the_first_kib() -> None:
+    """Found by review: dense_framing's chunk loop reused the name of the span's end, so
+    fields after a size line were counted only up to that chunk's data."""
+    assert flow.dense_framing(b"5\r\nhello\r\n0\r\n" + b"a:\r\n" * 3500 + b"\r\n")
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_rows_of_small_numbers_are_not_chunks(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: rows like "5 x y" have their CRLF where a size of 5 says, and the
+    256-byte windows counted more of them than the first KiB did: an upload of such rows
+    was sliced read after read, 25 upstream writes each. A chunk must also be followed by a
+    size line, a trailer field or the section's end (and llhttp refuses a blank after a
+    size)."""
+    rng = random.Random(seed)
+    rows = b"".join(
+        b"%d %d %d\r\n" % (rng.randrange(10), rng.randrange(10), rng.randrange(10))
+        for _ in range(3000)
+    )[:16384]
+    read = (b"%x\r\n" % len(rows) + rows + b"\r\n") * 16
+    for place in [n / 20 for n in range(20)]:
+        monkeypatch.setattr(flow._places, "random", lambda place=place: place)
+        assert not flow.flood_ahead(read, False, requests=True), place
 
 
 def test_the_framing_count_stops_early_on_rows_of_short_numbers(
