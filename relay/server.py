@@ -425,7 +425,10 @@ class ClientConnection(Slices, asyncio.Protocol):
         """A trailer section past ``max_header_bytes``, ended in this read: refused, as it is
         when a read of it alone makes no progress (data_received, _stalled); before, fed whole
         with the last chunk it was passed, and sliced it was refused (found by review)."""
-        if self._head_bytes <= self.relay.config.listen.max_header_bytes:
+        if self.parser is None or self._head_bytes <= self.relay.config.listen.max_header_bytes:
+            # (parser None: a refusal waits for earlier answers, and llhttp reads on through
+            # requests that never began, whose fields this count kept adding up: found by
+            # review, a later head rewrote the waiting 431's message)
             return False
         self._unparseable(TRAILERS_TOO_LARGE)
         return True

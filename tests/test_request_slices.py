@@ -656,3 +656,25 @@ def test_trailers_past_the_head_limit_are_refused_fed_whole_or_sliced(
         assert answer(wired)
         assert wired.client_transport.data.startswith(b"HTTP/1.1 200 ")
         assert not wired.client_transport.closing
+
+
+def test_heads_after_a_waiting_refusal_are_not_trailers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: after a refusal that waits for an earlier answer, llhttp reads on
+    through the read's later requests, which never begin (the parser is gone), so their
+    fields added up in the trailer count and rewrote the waiting 431's message."""
+    monkeypatch.setattr(flow._places, "random", lambda: 0.0)  # windows in X-Big: fed whole
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(f"GET /g HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    run_turns(wired)
+    huge = f"GET /huge HTTP/1.1\r\nHost: {HOST}\r\nX-Big: {'a' * 17_000}\r\n\r\n".encode()
+    fields = "".join(f"X-H{n}: {'v' * 60}\r\n" for n in range(40))
+    later = f"GET /later HTTP/1.1\r\nHost: {HOST}\r\n{fields}\r\n".encode()
+    assert not flow.flood_ahead(huge + later * 10, True, requests=True)
+    wired.client.data_received(huge + later * 10)
+    run_turns(wired)
+    assert answer(wired)  # the first GET's, then the refusal
+    run_turns(wired)
+    assert b" 431 " in wired.client_transport.data
+    assert b"Request trailers too large" not in wired.client_transport.data
