@@ -36,12 +36,16 @@ PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn f
 # for 0.6-7 s at a time, every other client waiting (measured; README "Decisions"). An ordinary
 # upload, whose reads are a few pieces each, still reads on.
 YIELD_EVENTS = 128
-# A request head counts as REQUEST_EVENTS of them: relay's work per pipelined request
-# (a decision, an exchange, ~16 µs here) is ~80 times a body piece's, and a slice of 32 KiB
-# held ~109 requests of 300 bytes, never dense, so a read of them was fed slice after slice
-# in one callback (found by review). A client pipelining more than 16 requests in one read
-# is sliced from then on.
+# In a read or slice of FLOOD_SLICE bytes or more, a request head counts as REQUEST_EVENTS
+# of them, and one more per HEAD_BYTES_EVENT bytes of head: relay's work per pipelined
+# request (a decision, an exchange) is ~16 µs for a small head, ~80 body pieces' worth, and
+# ~150 µs for a head of 2 KiB in 56 fields. A 32 KiB slice held ~109 requests of 300 bytes
+# or 16 of 2 KiB, never dense, so a read of them was fed slice after slice in one callback
+# (found by two reviews). Smaller reads count heads as one each: they cannot hold the loop
+# long, and 17 pipelined GETs in 1.2 KiB made the connection sliced for ever (found by
+# review).
 REQUEST_EVENTS = 8
+HEAD_BYTES_EVENT = 256
 
 # A response read of more than FLOOD_SLICE bytes is fed to llhttp in slices (slice_bounds)
 # when it holds a head, or lies inside a body that llhttp parses and a flood lies ahead in it
@@ -140,7 +144,11 @@ def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
 # ~1 ms for either. A window costs a random draw and a count over 256 bytes (~0.7-1.5 µs here),
 # and dense_framing (~2 µs) when it is dense with line ends (CSV text, a flood).
 DENSE_WINDOW = 256
-REQUEST_LINE = b" HTTP/1."  # the end of a request line (RFC 9112 §3)
+# The end of a request line (RFC 9112 §3): llhttp also takes "RTSP/1.1" or "ICE/1.0" for
+# the protocol, which relay forwards as HTTP/1.1 (found by review), and text such as an
+# access log's '"GET / HTTP/1.1" 200' has no line end after it (found by review: an upload
+# of one was sliced read after read).
+_REQUEST_END = re.compile(rb"/1\.[01]\r\n")
 # Seeded from os.urandom. Not a secret: a peer sees no draw (os.urandom per read would be a
 # system call per large read).
 _places = random.Random()  # noqa: S311
@@ -161,7 +169,7 @@ def flood_ahead(data: bytes, at_message_start: bool, *, requests: bool = False) 
     requests held the loop 62 ms)."""
     if dense_start(data) and (at_message_start or dense_framing(data)):
         return True
-    if requests and data.count(REQUEST_LINE, 0, DENSE_SAMPLE) > 1:
+    if requests and len(_REQUEST_END.findall(data, 0, DENSE_SAMPLE)) > 1:
         return True
     span = len(data) - DENSE_SAMPLE - DENSE_WINDOW
     if span <= 0:
@@ -169,7 +177,7 @@ def flood_ahead(data: bytes, at_message_start: bool, *, requests: bool = False) 
     for _ in range(2):
         start = DENSE_SAMPLE + int(_places.random() * span)
         end = start + DENSE_WINDOW
-        if requests and data.find(REQUEST_LINE, max(DENSE_SAMPLE, end - DENSE_SAMPLE), end) >= 0:
+        if requests and _REQUEST_END.search(data, max(DENSE_SAMPLE, end - DENSE_SAMPLE), end):
             return True
         if data.count(b"\r\n", start, end) > DENSE_LINES * DENSE_WINDOW // DENSE_SAMPLE and (
             dense_framing(data, start, end)

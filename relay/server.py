@@ -30,6 +30,7 @@ import httptools
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import (
     FLOOD_SLICE,
+    HEAD_BYTES_EVENT,
     PAUSE_CLIENT_FULL,
     PAUSE_QUEUE,
     PAUSE_UPGRADE,
@@ -207,7 +208,10 @@ class ClientConnection(Slices, asyncio.Protocol):
                 # llhttp ended the request with its head and waits for another (a refusal
                 # before the body, which closes, leaves _at_start unset: found by review).
                 remember(REQUESTS, key, seen, len(seen.headers))
-            if self._read_pieces + (self.requests - requests) * REQUEST_EVENTS > YIELD_EVENTS:
+            taken = self.requests - requests
+            if len(data) >= FLOOD_SLICE:  # (flow.REQUEST_EVENTS; _head adds the heads' sizes)
+                taken *= REQUEST_EVENTS
+            if self._read_pieces + taken > YIELD_EVENTS:
                 self._dense_read()
         except httptools.HttpParserUpgrade as upgrade:
             self.parser = None
@@ -362,6 +366,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._in_head = False
         self._keep = keep_alive
         self.requests += 1
+        self._read_pieces += size // HEAD_BYTES_EVENT  # a large head weighs more (flow)
         self._moved = True
         if size > self.relay.config.listen.max_header_bytes:
             self.relay.timers.head_done(self)

@@ -678,3 +678,72 @@ def test_heads_after_a_waiting_refusal_are_not_trailers(
     run_turns(wired)
     assert b" 431 " in wired.client_transport.data
     assert b"Request trailers too large" not in wired.client_transport.data
+
+
+ACCESS_LOG = b"".join(
+    b'10.0.0.%d - - [01/Dec/2026:17:00:00 +0000] "GET /api/items/%d HTTP/1.1" 200 512 "-"\n'
+    % (n % 250, n)
+    for n in range(400)
+)
+
+
+def test_a_chunked_upload_of_an_access_log_is_one_write_per_read(tmp_path: Path) -> None:
+    """Found by review: " HTTP/1." in the payload was taken for pipelined request lines, and
+    each 256 KiB read was sliced, 25 upstream writes instead of 1."""
+    chunk = ACCESS_LOG[:16384]
+    read = (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 16
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(HEAD)
+    wired.turns.end()
+    before = len(wired.upstream_transport.events)
+    for _ in range(4):
+        wired.client.data_received(read)
+        wired.turns.end()
+    assert meaning(upstream_got(wired) + b"0\r\n\r\n")[1] == chunk * 64
+    assert len(wired.upstream_transport.events) - before == 4
+
+
+def test_a_few_pipelined_requests_in_a_small_read_leave_the_connection_whole(
+    tmp_path: Path,
+) -> None:
+    """Found by review: with requests weighed 8 pieces in any read, 17 pipelined GETs in
+    1.2 KiB made the connection sliced for ever."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    pooled(wired, 40)
+    get = f"GET /p HTTP/1.1\r\nHost: {HOST}\r\nAccept: */*\r\n\r\n".encode()
+    wired.client.data_received(get * 17)
+    assert not wired.client._sliced
+
+
+@pytest.mark.parametrize("places", [(0.1, 0.6), (0.37, 0.81)])
+def test_pipelined_requests_of_another_protocol_name_are_seen(
+    tmp_path: Path, places: tuple[float, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: llhttp parses "GET /x RTSP/1.1" as an HTTP/1.1 GET, which relay
+    forwards; 256 KiB of them were taken in one callback (58-112 ms)."""
+    monkeypatch.setattr(flow._places, "random", itertools.cycle(places).__next__)
+    wired = make_wired(tmp_path, busy=1 << 30)
+    post = f"POST /o HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 2048\r\n\r\n".encode()
+    tail = f" RTSP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+    request = b"GET /" + b"p" * (68 - 5 - len(tail)) + tail
+    wired.client.data_received(post + b"o" * 2048 + request * 3000)
+    assert wired.client.requests < 750
+
+
+def test_pipelined_heads_of_many_fields_yield(tmp_path: Path) -> None:
+    """Found by review: heads of 2 KiB in 56 fields (~150 µs each) were never dense, 16 to a
+    32 KiB slice, and a read of them was taken in one callback, read after read. A head
+    weighs one more piece per 256 bytes."""
+    field = b"X-Field-%03d: abcdefghijklmnopqrstu\r\n"
+    start = f"GET /p HTTP/1.1\r\nHost: 3000-nosuch.{DOMAIN}\r\n".encode()
+    request = start + b"".join(field % n for n in range(56)) + b"\r\n"
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(request * 126)  # relay answers each itself (502)
+    run_turns(wired)
+    # Sliced, or fed whole when both windows missed a request line (a 2 KiB head is 2 KiB
+    # of fields): then dense, and sliced from then on.
+    assert wired.client._sliced
+    before = wired.client.requests
+    wired.client.data_received(request * 126)
+    assert wired.client.unparsed
+    assert wired.client.requests - before < 126 // 2
