@@ -37,15 +37,17 @@ PAUSE_YIELD = 32  # a read held many requests or body pieces: the others' turn f
 # upload, whose reads are a few pieces each, still reads on.
 YIELD_EVENTS = 128
 # In a read or slice of FLOOD_SLICE bytes or more, a request head counts as REQUEST_EVENTS
-# of them, and one more per HEAD_BYTES_EVENT bytes of head: relay's work per pipelined
+# of them; and any head one more per FIELDS_PER_EVENT fields: relay's work per pipelined
 # request (a decision, an exchange) is ~16 µs for a small head, ~80 body pieces' worth, and
-# ~150 µs for a head of 2 KiB in 56 fields. A 32 KiB slice held ~109 requests of 300 bytes
+# ~150 µs for a head of 2 KiB in 56 fields. Fields, not bytes: a 12 KiB cookie is one field
+# (weighed by its bytes, it made an upload's ordinary chunks dense, found by review), and
+# heads of 4-byte fields cost the most per byte. A 32 KiB slice held ~109 requests of 300 bytes
 # or 16 of 2 KiB, never dense, so a read of them was fed slice after slice in one callback
 # (found by two reviews). Smaller reads count heads as one each: they cannot hold the loop
 # long, and 17 pipelined GETs in 1.2 KiB made the connection sliced for ever (found by
 # review).
 REQUEST_EVENTS = 8
-HEAD_BYTES_EVENT = 256
+FIELDS_PER_EVENT = 4
 
 # A response read of more than FLOOD_SLICE bytes is fed to llhttp in slices (slice_bounds)
 # when it holds a head, or lies inside a body that llhttp parses and a flood lies ahead in it

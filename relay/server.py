@@ -29,8 +29,8 @@ import httptools
 
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import (
+    FIELDS_PER_EVENT,
     FLOOD_SLICE,
-    HEAD_BYTES_EVENT,
     PAUSE_CLIENT_FULL,
     PAUSE_QUEUE,
     PAUSE_UPGRADE,
@@ -167,7 +167,7 @@ class ClientConnection(Slices, asyncio.Protocol):
             # A sliced connection's large reads, and a read that begins dense or is dense in
             # one of two windows further on: a client's first dense read was fed whole, ~8 ms
             # of 1-byte chunks or ~30 ms of pipelined tiny requests per 256 KiB
-            # (relay.flow.flood_ahead, ~1-3 µs per large read). Within a
+            # (relay.flow.flood_ahead, ~5-10 µs per large read here). Within a
             # body, dense with chunk-size lines, not only line ends: the payload's may be
             # CRLF-dense text (found by review: a chunked CSV upload was sliced read after
             # read, 25 upstream writes each), while a flood in the first read after the head
@@ -209,7 +209,7 @@ class ClientConnection(Slices, asyncio.Protocol):
                 # before the body, which closes, leaves _at_start unset: found by review).
                 remember(REQUESTS, key, seen, len(seen.headers))
             taken = self.requests - requests
-            if len(data) >= FLOOD_SLICE:  # (flow.REQUEST_EVENTS; _head adds the heads' sizes)
+            if len(data) >= FLOOD_SLICE:  # (flow.REQUEST_EVENTS; _head adds their fields)
                 taken *= REQUEST_EVENTS
             if self._read_pieces + taken > YIELD_EVENTS:
                 self._dense_read()
@@ -366,7 +366,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._in_head = False
         self._keep = keep_alive
         self.requests += 1
-        self._read_pieces += size // HEAD_BYTES_EVENT  # a large head weighs more (flow)
+        self._read_pieces += len(headers) // FIELDS_PER_EVENT  # a head of many fields (flow)
         self._moved = True
         if size > self.relay.config.listen.max_header_bytes:
             self.relay.timers.head_done(self)

@@ -733,7 +733,7 @@ def test_pipelined_requests_of_another_protocol_name_are_seen(
 def test_pipelined_heads_of_many_fields_yield(tmp_path: Path) -> None:
     """Found by review: heads of 2 KiB in 56 fields (~150 µs each) were never dense, 16 to a
     32 KiB slice, and a read of them was taken in one callback, read after read. A head
-    weighs one more piece per 256 bytes."""
+    weighs one more piece per 4 fields (flow.FIELDS_PER_EVENT)."""
     field = b"X-Field-%03d: abcdefghijklmnopqrstu\r\n"
     start = f"GET /p HTTP/1.1\r\nHost: 3000-nosuch.{DOMAIN}\r\n".encode()
     request = start + b"".join(field % n for n in range(56)) + b"\r\n"
@@ -747,3 +747,15 @@ def test_pipelined_heads_of_many_fields_yield(tmp_path: Path) -> None:
     wired.client.data_received(request * 126)
     assert wired.client.unparsed
     assert wired.client.requests - before < 126 // 2
+
+
+@pytest.mark.parametrize("cookie", [0, 12_000, 16_000])
+def test_a_big_cookie_does_not_make_an_uploads_chunks_dense(tmp_path: Path, cookie: int) -> None:
+    """Found by review: heads weighed by their bytes made a 12 KiB cookie (one field, one
+    callback) count as 47 body pieces, so 74 ordinary chunks in the head's read made the
+    connection sliced for ever (100 upstream writes for four later reads, not 4)."""
+    head = f"POST /up HTTP/1.1\r\nHost: {HOST}\r\nCookie: {'c' * cookie}\r\n"
+    head += "Transfer-Encoding: chunked\r\n\r\n"
+    wired = make_wired(tmp_path, busy=1 << 30)
+    wired.client.data_received(head.encode() + chunks(64, 100))
+    assert not wired.client._sliced
