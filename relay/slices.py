@@ -14,7 +14,7 @@ loop for 0.6-7 s at a time, every other client waiting (measured on loopback; RE
   after a dense slice the rest of the read waits for the next turn (:attr:`Slices._rest`),
   the client unread meanwhile. So is a read over FLOOD_SLICE bytes that begins as a flood
   does (:func:`relay.flow.flood_ahead`), before any dense read. An ordinary connection, whose
-  reads are a few pieces each, is never sliced and pays ~1 µs per large read for that test;
+  reads are a few pieces each, is never sliced and pays ~5-10 µs per large read for that test;
   a sliced one stays sliced (a flood need not start a message).
 
 What the slices change must be invisible: the rest of a read is fed before any later read
