@@ -57,9 +57,12 @@ class _Collector:
     def on_headers_complete(self) -> None:
         self.current.status = self.parser.get_status_code()
         self.current.keep_alive = self.parser.should_keep_alive()
-        if self.head_request:
+        status = self.current.status
+        if self.head_request and not (100 <= status < 200 and status != 101):
             # llhttp cannot be told a response answers HEAD; a fresh parser takes the next one
             # (Connection feeds a HEAD response's head alone, so that it gets the bytes after).
+            # An interim (1xx) answer is not the HEAD's: llhttp ends it itself (found by
+            # review: a 100 before it was taken for the answer, and the answer for a body).
             self._done()
             self.head_request = False
             self.parser = httptools.HttpResponseParser(self)
@@ -68,7 +71,7 @@ class _Collector:
         self.current.chunks.append((time.monotonic(), body))
 
     def on_message_complete(self) -> None:
-        if not self.head_request:
+        if not self.head_request or 100 <= self.current.status < 200:
             self._done()
 
     def _done(self) -> None:
@@ -109,6 +112,9 @@ class Connection:
             data = await asyncio.wait_for(self.reader.read(65536), remaining)
             if not data:
                 self.eof = True
+                held, self._held = self._held, b""
+                if held:  # a HEAD answer's head cut by EOF: what there is of it (found by review)
+                    self._collector.parser.feed_data(held)
                 continue
             self._feed(data)
         return self._collector.responses.pop(0)
@@ -118,17 +124,17 @@ class Connection:
         that arrives in the same read for its content (RFC 9110 §9.3.2: it has none; a test
         failed this way when relay's answer and the next one came in one read, under load)."""
         collector = self._collector
-        if collector.head_request:
-            self._held += data
-            end = self._held.find(b"\r\n\r\n") + 4
+        while collector.head_request:  # (still, after an interim answer's head)
+            held = self._held + data
+            end = held.find(b"\r\n\r\n") + 4
             if end < 4:
+                self._held = held
                 return
-            head, data, self._held = self._held[:end], self._held[end:], b""
-            collector.parser.feed_data(head)  # its end makes a fresh parser for the rest
-            if not data:
-                return
-        with contextlib.suppress(httptools.HttpParserUpgrade):
-            collector.parser.feed_data(data)
+            self._held, data = b"", held[end:]
+            collector.parser.feed_data(held[:end])  # a HEAD answer's end makes a fresh parser
+        if data:
+            with contextlib.suppress(httptools.HttpParserUpgrade):
+                collector.parser.feed_data(data)
 
     @property
     def partial(self) -> Response:

@@ -50,3 +50,39 @@ async def test_head_answer_and_the_next_in_one_read() -> None:
                 await closed.wait()
         assert (head.status, head.body) == (404, b""), pieces
         assert (after.status, after.body, after.complete) == (200, b"hello", True), pieces
+
+
+async def test_an_interim_answer_before_the_head_answer() -> None:
+    """Found by review: a 1xx before a HEAD's answer was taken for it, and the answer then
+    for a body. The 1xx is read as a response of its own, as for any other request."""
+    interim = b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>\r\n\r\n"
+    for pieces in (1, 2, 3):
+        server, port, closed = await answering(interim + HEAD_ANSWER + NEXT_ANSWER, pieces)
+        async with server:
+            conn = await Connection.open(port)
+            try:
+                await conn.send(b"x")
+                first = await conn.read_response(timeout=2, head=True)
+                head = await conn.read_response(timeout=2, head=True)
+                after = await conn.read_response(timeout=2)
+            finally:
+                await conn.close()
+                await closed.wait()
+        assert first.status == 103, pieces
+        assert (head.status, head.body) == (404, b""), pieces
+        assert (after.status, after.body) == (200, b"hello"), pieces
+
+
+async def test_a_head_answer_cut_by_eof_is_what_there_is_of_it() -> None:
+    """Found by review: bytes held for a HEAD answer's head were dropped at EOF."""
+    server, port, closed = await answering(b"HTTP/1.1 404 Not Found\r\nContent-Le", 1)
+    async with server:
+        conn = await Connection.open(port)
+        try:
+            await conn.send(b"x")
+            conn.writer.write_eof()
+            partial = await conn.read_response(timeout=2, head=True)
+        finally:
+            await conn.close()
+            await closed.wait()
+    assert (partial.reason, partial.complete) == (b"Not Found", False)
