@@ -90,22 +90,28 @@ def dense_start(data: bytes) -> bool:
 # The size line of a chunk of under 64 bytes after a line end (RFC 9112 §7.1: hex digits,
 # then extensions or CRLF; llhttp takes leading zeros, so any number of them).
 _SIZE_LINE = re.compile(rb"\n0*([0-3]?[0-9A-Fa-f])[;\r]")  # (llhttp refuses a blank after)
-# A field line after a line end (RFC 9110 §5.1 token, then a colon): of a trailer section,
-# within a body. A leading "\n" lets the engine scan for it in C (an alternative with "^"
-# made the match 7x slower on text).
-_FIELD_LINE = re.compile(rb"\n[-!#$%&'*+.^_`|~0-9A-Za-z]+:")
+_FIELD_NAME = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+:"  # a token, then a colon (RFC 9110 §5.1)
+# A field line after a line end: of a trailer section, within a body. A leading "\n" lets
+# the engine scan for it in C (an alternative with "^" made the match 7x slower on text).
+_FIELD_LINE = re.compile(rb"\n" + _FIELD_NAME)
 # What may follow a chunk: the next chunk's size line, the end of a trailer section, or a
 # trailer field (RFC 9112 §7.1).
-_NEXT_LINE = re.compile(rb"0*[0-9A-Fa-f]{1,16}[;\r]|\r\n|[-!#$%&'*+.^_`|~0-9A-Za-z]+:")
+_NEXT_LINE = re.compile(rb"0*[0-9A-Fa-f]{1,16}[;\r]|\r\n|" + _FIELD_NAME)
+
+
+def _more_than(pattern: re.Pattern[bytes], count: int, data: bytes, start: int, end: int) -> bool:
+    """``pattern`` matches more than ``count`` times in ``data[start:end]`` (it stops there)."""
+    matches = pattern.finditer(data, start, end)
+    return sum(1 for _ in itertools.islice(matches, count + 1)) > count
 
 
 def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
     """Within a chunked body: ``data[start:end]`` (the read's first KiB, or a window,
     flood_ahead) holds more than DENSE_LINES // 2 chunks of under 64 bytes per KiB, each a
     size line whose data ends in CRLF where the size says, or as many trailer fields (each
-    one callback, as a chunk is). Line ends of
-    the payload are not counted (a CSV download or upload was sliced read after read, found
-    by review), nor rows of short numbers or hex words (found by the next review). Such rows
+    one callback, as a chunk is). Line ends of the payload are not counted (a CSV download
+    or upload was sliced read after read, found by review), nor rows of short numbers or hex
+    words (found by the next review). Such rows
     stop the count early: a chunk of under 64 bytes holds at most 21 of them, so more than
     20 per chunk counted so far is text (without the stop, 0.4-0.65 ms per read of them,
     found by review; a flood behind such a start is looked for further on, flood_ahead).
@@ -131,8 +137,7 @@ def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
         lines += 1
         if lines > need:
             return True
-    fields = _FIELD_LINE.finditer(data, start, end)
-    return sum(1 for _ in itertools.islice(fields, need + 1)) > need
+    return _more_than(_FIELD_LINE, need, data, start, end)
 
 
 # A flood behind an ordinary first KiB was fed whole, once per connection: 8-9 ms of a
@@ -171,7 +176,7 @@ def flood_ahead(data: bytes, at_message_start: bool, *, requests: bool = False) 
     requests held the loop 62 ms)."""
     if dense_start(data) and (at_message_start or dense_framing(data)):
         return True
-    if requests and len(_REQUEST_END.findall(data, 0, DENSE_SAMPLE)) > 1:
+    if requests and _more_than(_REQUEST_END, 1, data, 0, DENSE_SAMPLE):
         return True
     span = len(data) - DENSE_SAMPLE - DENSE_WINDOW
     if span <= 0:

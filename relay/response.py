@@ -22,13 +22,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import httptools
 
 from relay.core import headers as header_rules
-from relay.flow import (
-    FLOOD_PIECES,
-    FLOOD_SLICE,
-    FLOOD_SLICE_MAX,
-    flood_ahead,
-    slice_bounds,
-)
+from relay.flow import FLOOD_PIECES, FLOOD_SLICE, FLOOD_SLICE_MAX, flood_ahead, slice_bounds
 from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
 
 if TYPE_CHECKING:
