@@ -73,6 +73,31 @@ async def test_an_interim_answer_before_the_head_answer() -> None:
         assert (after.status, after.body) == (200, b"hello"), pieces
 
 
+async def test_a_head_answer_after_another_in_one_read() -> None:
+    """A HEAD pipelined behind a GET: its answer may come in the read that ends the GET's, and
+    before read_response is called for it. The client knows it answers HEAD from what it sent
+    (found by review: read_response(head=True) came too late, and the next answer was taken
+    for the HEAD answer's body)."""
+    sent = b"".join(
+        b"%s / HTTP/1.1\r\nHost: x\r\n\r\n" % method for method in (b"GET", b"HEAD", b"GET")
+    )
+    for pieces in (1, 2, 3, 7):
+        server, port, closed = await answering(NEXT_ANSWER + HEAD_ANSWER + NEXT_ANSWER, pieces)
+        async with server:
+            conn = await Connection.open(port)
+            try:
+                await conn.send(sent)
+                answers = [await conn.read_response(timeout=2) for _ in range(3)]
+            finally:
+                await conn.close()
+                await closed.wait()
+        assert [(a.status, a.body) for a in answers] == [
+            (200, b"hello"),
+            (404, b""),
+            (200, b"hello"),
+        ], pieces
+
+
 async def test_a_head_answer_cut_by_eof_is_what_there_is_of_it() -> None:
     """Found by review: bytes held for a HEAD answer's head were dropped at EOF."""
     server, port, closed = await answering(b"HTTP/1.1 404 Not Found\r\nContent-Le", 1)
