@@ -129,6 +129,9 @@ class Config:
             denied_ports=frozenset(self.upstream.denied_ports),
             strip=self.upstream.credentials == "strip",
             management=bool(self.management.upstream),
+            management_host=self.management.upstream.removeprefix("http://")
+            .rstrip("/")
+            .encode("latin-1"),
             trusted_proxies=networks(self.listen.trusted_proxies),
         )
 

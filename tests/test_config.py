@@ -25,6 +25,16 @@ def test_embedded_default_config_loads() -> None:
 
 
 @pytest.mark.parametrize(
+    ("upstream", "host"),
+    [("http://127.0.0.1:3000", b"127.0.0.1:3000"), ("http://[::1]/", b"[::1]"), ("", b"")],
+)
+def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -> None:
+    """The Host an HTTP/1.0 management request without one is forwarded with (relay.core)."""
+    config = parse({"management": {"upstream": upstream}}, ROOT)
+    assert config.settings().management_host == host
+
+
+@pytest.mark.parametrize(
     ("data", "key"),
     [
         ({"listen": {"adress": "x"}}, "listen.adress"),

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from relay.forward import Exchange
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, scripted_upstream
 from tests.support.ports import free_port
 from tests.support.rawhttp import Connection, Response, request, request_bytes
 
@@ -654,3 +654,32 @@ async def test_idle_upstream_connections_are_capped_per_upstream(
         second = {s.peer_port for s in upstream.seen[4:]}
         assert len(second & first) == 2  # the two pooled ones were reused
         assert relay.relay.pool.idle_count() == 2
+
+
+async def test_http10_request_without_host_reaches_the_guest_with_one(tmp_path: Path) -> None:
+    """Found by review: an HTTP/1.0 request routed by its E2b-Sandbox-* headers, with no Host,
+    went upstream as HTTP/1.1 without one (RFC 9112 §3.2), which Go's net/http refuses."""
+    heads: list[bytes] = []
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async with (
+        scripted_upstream(upstream) as app_port,
+        running_relay(tmp_path, [route("sbx", envd_token="t")]) as r,
+    ):
+        conn = await Connection.open(r.port)
+        try:
+            await conn.send(
+                b"GET /x HTTP/1.0\r\nE2b-Sandbox-Id: sbx\r\nE2b-Sandbox-Port: %d\r\n\r\n" % app_port
+            )
+            response = await conn.read_response(timeout=5)
+        finally:
+            await conn.close()
+    assert (response.status, response.body) == (200, b"ok")
+    assert heads[0].startswith(
+        b"GET /x HTTP/1.1\r\nHost: %d-sbx.%s\r\n" % (app_port, DOMAIN.encode())
+    )

@@ -47,6 +47,7 @@ class Settings:
     denied_ports: frozenset[int] = frozenset({50090})
     strip: bool = True  # upstream.credentials == "strip"
     management: bool = False  # a management upstream is configured
+    management_host: bytes = b""  # its authority, the Host of an HTTP/1.0 request without one
     trusted_proxies: tuple[Network, ...] = ()
 
     # What every forwarded request loses: hop-by-hop fields, the httpoxy ``Proxy`` field, and
@@ -180,6 +181,8 @@ def decide(
         if not settings.management:
             return Reject(reason=Reason.NO_TARGET)
         path = _outbound_path(split, settings.strip)
+        if host_values is None:
+            rules = dataclasses.replace(rules, host=settings.management_host or b"localhost")
         return _forward(head, Kind.MANAGEMENT, None, None, path, fields, names, rules, split)
     # -- control port / control path
     if found.port in settings.denied_ports:
@@ -225,8 +228,21 @@ def decide(
             sandbox_id=route.sandbox_id,
             limit=route.max_connections,
         )
+    if host_values is None:
+        rules = dataclasses.replace(rules, host=_sandbox_host(found, route, settings))
     kind = Kind.ENVD if is_envd else Kind.APP
     return _forward(head, kind, found, route, path, fields, names, rules, split, expires)
+
+
+def _sandbox_host(found: Target, route: Route, settings: Settings) -> bytes:
+    """The Host sent for an HTTP/1.0 request that had none (routed by its E2b-Sandbox-*
+    headers): relay forwards HTTP/1.1, which must have one (RFC 9112 §3.2; Go's net/http,
+    envd's, answers 400 without; found by review). The name the Host form would have used,
+    so that an app that checks its Host (a dev server's allowed hosts) sees its public one."""
+    if settings.domains:
+        return f"{found.port}-{found.sandbox_id}.{settings.domains[0]}".encode("latin-1")
+    address = f"[{route.address}]" if ":" in route.address else route.address
+    return f"{address}:{found.port}".encode("latin-1")
 
 
 def _outbound_path(split: policy.SplitTarget, strip: bool) -> bytes:

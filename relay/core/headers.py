@@ -120,6 +120,8 @@ class OutboundRules:
     websocket: bool = False
     # Set only for a peer in ``listen.trusted_proxies``: (client ip, scheme, host).
     forwarded_for: tuple[str, str, bytes] | None = None
+    # The Host to send when the request had none (HTTP/1.0; relay forwards HTTP/1.1).
+    host: bytes | None = None
 
 
 def request_headers(
@@ -180,6 +182,8 @@ def request_headers(
             if key not in drop and (_UNDERSCORE not in key or _kept_folded(key, drop))
         ]
         out = _with_forwarded(out, fields, rules.forwarded_for)
+    if rules.host is not None:
+        out.insert(0, (b"Host", rules.host))
     if rules.framing is Framing.LENGTH:
         out.append((b"Content-Length", str(rules.content_length).encode()))
     elif rules.framing is Framing.CHUNKED:

@@ -123,10 +123,12 @@ def target_from_headers(
         return Reject(reason=Reason.BAD_ROUTING_HEADER, detail=f"missing header {missing}")
     if len(ids) > 1 or len(ports) > 1:
         return Reject(reason=Reason.REPEATED_FIELD, detail="E2b-Sandbox-Id/Port is repeated")
-    sandbox_id = ids[0].decode("latin-1").strip()
+    # Only spaces and tabs around a value (RFC 9110 §5.5), on the bytes: str.strip() of the
+    # latin-1 text also took NBSP and NEL, so "sbx1\xa0" named sandbox sbx1 (found by review).
+    sandbox_id = ids[0].strip(b" \t").decode("latin-1")
     if not valid_sandbox_id(sandbox_id):
         return Reject(reason=Reason.BAD_ROUTING_HEADER, detail="Invalid sandbox ID")
-    port = parse_port(ports[0].decode("latin-1").strip())
+    port = parse_port(ports[0].strip(b" \t").decode("latin-1"))
     if port is None:
         return Reject(reason=Reason.BAD_ROUTING_HEADER, detail="Invalid sandbox port")
     return Target(sandbox_id, port)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.parse
 
+import httptools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ ROUTE = Route(
 )
 TABLE = RouteTable.of({"sbx1": ROUTE})
 ENVD_HOST = (b"Host", b"49983-sbx1.e2b.test")
+ENVD_TOKEN = (b"X-Access-Token", b"envd-tok")
 
 
 def head(
@@ -385,3 +387,112 @@ def test_any_path_cleaning_to_a_control_path_is_refused_before_the_lookup(
         assert result.sandbox_id is None
     else:
         assert not (isinstance(result, Reject) and result.reason is Reason.CONTROL_PATH), raw
+
+
+# -- Found by review (2026-12-01): header values as llhttp hands them over ---------------------
+
+
+def _parsed_head(raw: bytes) -> RequestHead:
+    """The head as relay's request parser (llhttp) delivers it: values keep the spaces and tabs
+    after them, and bytes 0x80-0xFF (obs-text) pass."""
+    seen = _Fields()
+    httptools.HttpRequestParser(seen).feed_data(raw)
+    return head(target=seen.url, headers=tuple(seen.headers))
+
+
+class _Fields:
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.url = b""
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+
+@pytest.mark.parametrize(
+    ("sandbox_id", "port"),
+    [
+        pytest.param(b"sbx1\xa0", b"49983", id="id-nbsp-after"),
+        pytest.param(b"\xa0sbx1", b"49983", id="id-nbsp-before"),
+        pytest.param(b"sbx1\x85", b"49983", id="id-nel-after"),
+        pytest.param(b"sbx1", b"49983\xa0", id="port-nbsp-after"),
+        pytest.param(b"sbx1", b"\x8549983", id="port-nel-before"),
+    ],
+)
+def test_routing_headers_with_obs_text_are_refused(sandbox_id: bytes, port: bytes) -> None:
+    """SPEC §1.2: the values must be ^[a-z0-9]{1,64}$ and 1-65535. str.strip() of the latin-1
+    text took NBSP and NEL too, so "sbx1\\xa0" named sandbox sbx1."""
+    decision = decide(
+        _parsed_head(
+            b"GET /health HTTP/1.1\r\nHost: sandbox.e2b.test\r\nE2b-Sandbox-Id: "
+            + sandbox_id
+            + b"\r\nE2b-Sandbox-Port: "
+            + port
+            + b"\r\nX-Access-Token: envd-tok\r\n\r\n"
+        ),
+        TABLE,
+        SETTINGS,
+    )
+    assert isinstance(decision, Reject)
+    assert decision.reason is Reason.BAD_ROUTING_HEADER
+
+
+@pytest.mark.parametrize(
+    ("host", "field", "kind"),
+    [
+        pytest.param(b"49983-sbx1.e2b.test", b"X-Access-Token: envd-tok \t", Kind.ENVD, id="envd"),
+        pytest.param(
+            b"8080-sbx1.e2b.test", b"E2b-Traffic-Access-Token: traffic-tok ", Kind.APP, id="app"
+        ),
+    ],
+)
+def test_a_token_followed_by_whitespace_is_the_token(host: bytes, field: bytes, kind: Kind) -> None:
+    """RFC 9110 §5.5: the spaces and tabs after a value are not part of it (Go's textproto,
+    envd's and E2B's proxy's, trims them). The right token with them was refused 401/403."""
+    decision = decide(
+        _parsed_head(b"GET /x HTTP/1.1\r\nHost: " + host + b"\r\n" + field + b"\r\n\r\n"),
+        TABLE,
+        SETTINGS,
+    )
+    assert isinstance(decision, Forward)
+    assert decision.kind is kind
+    assert not any(n.lower() in CREDENTIALS for n, _ in decision.headers)
+
+
+@pytest.mark.parametrize(
+    ("headers", "settings_", "host"),
+    [
+        pytest.param(
+            ((b"E2b-Sandbox-Id", b"sbx1"), (b"E2b-Sandbox-Port", b"49983"), ENVD_TOKEN),
+            SETTINGS,
+            b"49983-sbx1.e2b.test",
+            id="envd",
+        ),
+        pytest.param(
+            ((b"E2b-Sandbox-Id", b"sbx1"), (b"E2b-Sandbox-Port", b"3000")),
+            Settings(domains=(), management=True),
+            b"10.0.0.5:3000",
+            id="app-no-domain",
+        ),
+        pytest.param(
+            (),
+            Settings(domains=("e2b.test",), management=True, management_host=b"api:3000"),
+            b"api:3000",
+            id="management",
+        ),
+    ],
+)
+def test_http10_without_host_is_forwarded_with_one(
+    headers: Headers, settings_: Settings, host: bytes
+) -> None:
+    """relay forwards HTTP/1.1, which must have a Host (RFC 9112 §3.2; Go's net/http answers 400
+    "missing required Host header"). An HTTP/1.0 request routed by its headers had none."""
+    traffic_free = RouteTable.of({"sbx1": Route(sandbox_id="sbx1", address="10.0.0.5")})
+    table = TABLE if host.startswith(b"49983") else traffic_free
+    decision = decide(head(target=b"/health", headers=headers, version="1.0"), table, settings_)
+    assert isinstance(decision, Forward)
+    assert decision.wire.startswith(b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\n")
+    assert [n for n, _ in decision.headers].count(b"Host") == 1
