@@ -123,6 +123,7 @@ class EnvdRequest:
     clean_path: str
     raw_query: bytes | None
     access_token: bytes | None  # the X-Access-Token value, when the header is present
+    preflight: bool = False  # a CORS preflight (OPTIONS with Access-Control-Request-Method)
 
 
 def check_envd(request: EnvdRequest, route: Route, now: int) -> Reject | None:
@@ -146,6 +147,13 @@ def envd_verdict(request: EnvdRequest, route: Route, now: int) -> tuple[Reject |
         ok = tokens_equal(request.access_token, route.envd_token)
         return (None if ok else UNAUTHORIZED), None
     if request.method == b"GET" and request.clean_path == "/health":
+        return None, None
+    if request.preflight:
+        # A browser sends no credential on a CORS preflight (Fetch: only safelisted fields),
+        # and envd answers it before its token check: rs/cors wraps WithAuthorization (envd's
+        # main.go) and never passes a preflight on to a handler. Refused here, it blocked every
+        # envd call of the JS SDK in a browser, whose X-Access-Token and Connect content type
+        # make each one preflighted (found by review).
         return None, None
     signed_route = request.clean_path == "/files" and request.method in (b"GET", b"POST")
     if signed_route and request.raw_query is not None:

@@ -209,6 +209,7 @@ def decide(
                 clean_path=split.clean_path,
                 raw_query=split.raw_query,
                 access_token=tokens[0] if tokens else None,
+                preflight=_preflight(head, fields, framing[0]),
             ),
             route,
             now,
@@ -232,6 +233,14 @@ def decide(
         rules = dataclasses.replace(rules, host=_sandbox_host(found, route, settings))
     kind = Kind.ENVD if is_envd else Kind.APP
     return _forward(head, kind, found, route, path, fields, names, rules, split, expires)
+
+
+def _preflight(head: RequestHead, fields: dict[bytes, list[bytes]], framing: Framing) -> bool:
+    """A CORS preflight as rs/cors (envd's) tells one: OPTIONS with a non-empty
+    Access-Control-Request-Method; and, as the Fetch standard sends it, no body."""
+    if head.method != b"OPTIONS" or framing is not Framing.NONE:
+        return False
+    return any(value.strip() for value in fields.get(b"access-control-request-method", ()))
 
 
 def _sandbox_host(found: Target, route: Route, settings: Settings) -> bytes:
