@@ -208,7 +208,9 @@ def decide(
                 method=head.method,
                 clean_path=split.clean_path,
                 raw_query=split.raw_query,
-                access_token=tokens[0] if tokens else None,
+                # An empty header is no header, as to envd (Go's Header.Get gives "" for
+                # both): /health and a signed URL pass with one (found by review).
+                access_token=tokens[0] if tokens and tokens[0].strip(b" \t") else None,
                 preflight=_preflight(head, fields, framing[0]),
             ),
             route,

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from relay.core.auth import file_signature
 from relay.core.decide import FeedState, Settings, decide
 from relay.core.headers import CREDENTIALS, HOP_BY_HOP
 from relay.core.model import Forward, Framing, Headers, Kind, Reason, Reject, RequestHead, Route
@@ -496,3 +497,21 @@ def test_http10_without_host_is_forwarded_with_one(
     assert isinstance(decision, Forward)
     assert decision.wire.startswith(b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\n")
     assert [n for n, _ in decision.headers].count(b"Host") == 1
+
+
+SIGNED = (
+    b"/files?path=%2Fa&signature=" + file_signature("/a", "read", "", "envd-tok", None).encode()
+)
+
+
+@pytest.mark.parametrize("target", [b"/health", SIGNED])
+def test_an_empty_access_token_is_no_token(target: bytes) -> None:
+    """envd reads X-Access-Token with Go's Header.Get, which gives "" for an empty header and
+    for none: /health is open and a signed URL's signature is checked. relay refused 401."""
+    empty = head(target=target, headers=(ENVD_HOST, (b"X-Access-Token", b"")))
+    absent = head(target=target, headers=(ENVD_HOST,))
+    assert reason_of(decide(empty, TABLE, SETTINGS)) is Kind.ENVD
+    assert reason_of(decide(absent, TABLE, SETTINGS)) is Kind.ENVD
+    assert reason_of(decide(head(target=b"/envs", headers=empty.headers), TABLE, SETTINGS)) is (
+        Reason.ENVD_UNAUTHORIZED
+    )
