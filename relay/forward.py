@@ -130,6 +130,12 @@ class Exchange(Respond):
             if self.state is DIALING:
                 self._dial_failed(exc)
             return
+        except Exception as exc:  # a bug: answered, not left DIALING (and counted) for ever
+            self._dial_task = None
+            if self.state is DIALING:
+                self.client.resume(PAUSE_DIAL)
+                self.internal_error(exc)
+            return
         self._dial_task = None
         if self.state is not DIALING:
             conn.close()  # revoked or the client left while dialling

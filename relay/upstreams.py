@@ -321,4 +321,8 @@ class Pool:
                 if observer is not None:
                     observer.dial_failed("error")
                 raise DialError(exc.strerror or type(exc).__name__, refused=False) from None
+            except ValueError as exc:  # an address getaddrinfo cannot take (UnicodeError)
+                if observer is not None:
+                    observer.dial_failed("error")
+                raise DialError(type(exc).__name__, refused=False) from None
         raise AssertionError("unreachable")

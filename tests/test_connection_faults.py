@@ -18,6 +18,9 @@ import pytest
 from relay import upstreams
 from relay.flow import PAUSE_UPSTREAM_FULL
 from relay.upstreams import PoolKey, UpstreamConnection
+from tests.support.harness import DOMAIN as RELAY_DOMAIN
+from tests.support.harness import route, running_relay
+from tests.support.rawhttp import request
 from tests.support.wired import DOMAIN, RESPONSE, Recorder, Wired, make_wired
 
 HOST = f"3000-sbx.{DOMAIN}"
@@ -368,3 +371,30 @@ def test_bytes_after_a_handshake_in_a_second_read_of_one_turn_reach_the_websocke
     )
     wired.turns.end()
     assert wired.upstream_transport.data.endswith(b"\r\n\r\n" + frame * 3)
+
+
+async def test_an_address_getaddrinfo_cannot_take_is_a_dial_error() -> None:
+    """getaddrinfo raises UnicodeError (not OSError) for a zone it cannot encode; it escaped
+    Pool.connect, and the exchange stayed DIALING for ever (found by review; such routes are
+    now refused, relay.core.routes)."""
+    pool = upstreams.Pool(connect_timeout_s=1.0)
+    with pytest.raises(upstreams.DialError):
+        await pool.connect(PoolKey("zoned", 0, "fd00::1%\ud800", 8080))
+
+
+async def test_a_dial_that_fails_unexpectedly_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever a dial raises, the client gets an answer and the sandbox's in-flight count
+    drops (before, anything but a DialError left the exchange DIALING and counted)."""
+
+    async def broken(self: upstreams.Pool, key: PoolKey) -> UpstreamConnection:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(upstreams.Pool, "connect", broken)
+    caplog.set_level(logging.ERROR)
+    async with running_relay(tmp_path, [route("dialbox", insecure=True)]) as relay:
+        response = await request(relay.port, "GET", "/", f"8080-dialbox.{RELAY_DOMAIN}")
+        assert response.status == 500
+        assert relay.relay.inflight.get("dialbox", 0) == 0
+    assert "a bug" not in response.body.decode()

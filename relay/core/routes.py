@@ -31,7 +31,10 @@ _FIELDS = frozenset(
         "max_connections",
     }
 )
-_TOKEN = re.compile(r"[\x21-\x7e]{1,512}")  # printable ASCII, no space (SPEC §3)
+# 1-512 printable ASCII (SPEC §3), spaces included but not at either end: a field value's
+# leading and trailing spaces are not part of it (RFC 9110 §5.5), so no client could send
+# such a token (a space inside was refused, found by review).
+_TOKEN = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,510}[\x21-\x7e])?")
 MAX_GENERATION = 1 << 64
 
 
@@ -69,6 +72,10 @@ def parse_route(obj: object, allowed: tuple[Network, ...]) -> Route | RouteError
         ip = ipaddress.ip_address(address)
     except ValueError:
         return bad("address must be an IPv4 or IPv6 literal")
+    if getattr(ip, "scope_id", None) is not None:
+        # "fd00::1%<zone>": ipaddress takes any zone text and ``in`` ignores it, and a zone
+        # that getaddrinfo cannot encode failed every dial (found by review).
+        return bad("address must be an IPv4 or IPv6 literal without a zone (%)")
     if not any(ip in net for net in allowed):
         return bad("address is outside upstream.allowed_cidrs")
     insecure = obj.get("insecure", False)

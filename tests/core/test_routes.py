@@ -45,7 +45,12 @@ def test_good_route() -> None:
         (with_(address="example.com"), "address"),
         (with_(envd_token=...), "envd_token is required"),
         (with_(envd_token=""), "envd_token"),
-        (with_(envd_token="a b"), "envd_token"),
+        (with_(envd_token=" ab"), "envd_token"),
+        (with_(envd_token="ab "), "envd_token"),
+        (with_(envd_token="a\tb"), "envd_token"),
+        (with_(traffic_token="a\x7fb"), "traffic_token"),
+        (with_(address="fd00::1%eth0"), "zone"),
+        (with_(address="fd00::1%\ud800"), "zone"),
         (with_(envd_token="x" * 513), "envd_token"),
         (with_(traffic_token=5), "traffic_token"),
         (with_(generation=-1), "generation"),
@@ -61,6 +66,14 @@ def test_bad_routes(obj: Any, reason: str) -> None:
     result = parse_route(obj, ALLOWED)
     assert isinstance(result, RouteError)
     assert reason in result.reason
+
+
+@pytest.mark.parametrize("token", ["a b", "x" * 512, "!~", "a" + " " * 510 + "b"])
+def test_tokens_of_printable_ascii(token: str) -> None:
+    """SPEC §3: 1-512 printable ASCII; a space inside is printable (found by review: refused)."""
+    result = parse_route(with_(envd_token=token, traffic_token=token), ALLOWED)
+    assert isinstance(result, Route)
+    assert (result.envd_token, result.traffic_token) == (token, token)
 
 
 def test_insecure_needs_no_token() -> None:
