@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +61,30 @@ async def test_sighup_style_reload(tmp_path: Path) -> None:
         write_routes(relay.routes_file, [route("b", insecure=True)])
         relay.relay.reload()
         assert relay.relay.table.get("b") is not None
+
+
+async def test_a_version_whose_read_failed_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the feed took a version for seen before reading it, so a read that
+    failed for a reason other than the file (EMFILE at the descriptor limit) left a removed
+    route serving until the file changed again or a SIGHUP."""
+    real = Path.read_text
+    failures = [OSError(errno.EMFILE, "Too many open files")]
+
+    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        if failures and self.name == "routes.json":
+            raise failures.pop()
+        return real(self, *args, **kwargs)
+
+    async with running_relay(
+        tmp_path, [route("keep", insecure=True), route("gone", insecure=True)]
+    ) as relay:
+        monkeypatch.setattr(Path, "read_text", read_text)
+        write_routes(relay.routes_file, [route("keep", insecure=True)])
+        started = time.monotonic()
+        while relay.relay.table.get("gone") is not None:
+            assert time.monotonic() - started < 2.0, "the removed route is still served"
+            await asyncio.sleep(0.02)
+        assert not failures  # the read did fail once
+        assert relay.relay.observer.feed_errors == 1

@@ -28,7 +28,12 @@ __all__ = ["FileError", "FileFeed", "Sink", "read_routes_file", "write_routes_fi
 
 
 class FileError(ValueError):
-    pass
+    """A routes file that cannot be used; ``unread`` when reading it failed (EMFILE, EIO...),
+    not what it holds: the same version is read again at the next poll."""
+
+    def __init__(self, message: str, *, unread: bool = False) -> None:
+        super().__init__(message)
+        self.unread = unread
 
 
 def read_routes_file(path: Path) -> list[Any]:
@@ -36,7 +41,7 @@ def read_routes_file(path: Path) -> list[Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise FileError(f"cannot read {path}: {exc.strerror}") from None
+        raise FileError(f"cannot read {path}: {exc.strerror}", unread=True) from None
     except UnicodeDecodeError as exc:
         # A writer caught mid-write, or not a routes file: like bad JSON, the previous table
         # stays (SPEC §3). An escaped exception would end the feed's task for good.
@@ -107,6 +112,11 @@ class FileFeed:
         try:
             items = read_routes_file(self.path)
         except FileError as exc:
+            if exc.unread:
+                # Not seen: a version whose read failed (a relay at its descriptor limit) was
+                # taken for seen, and its table never applied (found by review: a removed
+                # route kept serving until the next change or SIGHUP).
+                self._seen = None
             message = str(exc)
             if message != self._last_error:  # log a broken file once, not every poll
                 self.sink.feed_failed(self.source, message)
