@@ -409,4 +409,9 @@ class Respond:
         relay = self.client.relay
         relay.unregister(self)
         relay.observer.exchange_done(self)
+        if self._client_framing is Framing.NONE:
+            # A close-delimited body (an HTTP/1.0 client) is complete at an orderly close
+            # unless "an error was indicated by the underlying connection" (RFC 9112 §8): only
+            # a reset tells the client it was cut (found by review: a FIN made it whole).
+            self.client.abort()
         self.client.exchange_cut(self)
