@@ -254,8 +254,12 @@ class Relay:
         """The feed lost its source; ``since`` (monotonic) starts the stale clock."""
         if self._broken_since is None:
             self._broken_since = since
-        if self.observer.feed_failing_since is None:
-            self.observer.feed_failing_since = since  # relay_feed_staleness_seconds
+        failing = self.observer.feed_failing_since
+        if failing is None or since < failing:
+            # relay_feed_staleness_seconds counts from the stale clock's start: feed_failed,
+            # called first, set it to when the failure was noticed (a hung Redis ~6 s after
+            # its last good read), and the gauge lagged the stale flag (found by review).
+            self.observer.feed_failing_since = since
         self.refresh_feed_state()
 
     def feed_restored(self) -> None:

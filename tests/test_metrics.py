@@ -273,3 +273,17 @@ async def test_routes_endpoint_shows_no_token(tmp_path: Path) -> None:
         ("routesbox", "127.0.0.1", 0),
     ]
     assert listed["routes"][1]["has_traffic_token"] is True
+
+
+async def test_the_staleness_gauge_counts_from_the_stale_clocks_start(tmp_path: Path) -> None:
+    """Found by review: a feed reports a failure (feed_failed) when it notices it, then the
+    outage from its last good read (feed_broken, which starts the stale clock, SPEC §3). The
+    gauge counted from the first: ~6 s behind for a hung Redis, so it read 24 when the cache
+    had turned stale at max_stale_s = 30."""
+    async with running_relay(tmp_path, [route("gaugebox", insecure=True)]) as relay:
+        last_good = time.monotonic() - 10.0
+        relay.relay.feed_failed("redis", "127.0.0.1:1: TimeoutError")
+        relay.relay.feed_broken(last_good)
+        assert value(await _scrape(relay), "relay_feed_staleness_seconds") >= 10
+        relay.relay.feed_restored()
+        assert value(await _scrape(relay), "relay_feed_staleness_seconds") == 0
