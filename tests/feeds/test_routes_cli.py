@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +246,59 @@ def test_sign_url_takes_the_token_from_the_redis_source(
     expected = file_signature("/a", "read", "", "tok-signme", None)
     assert url.endswith("signature=" + expected.replace("+", "%2B").replace("/", "%2F"))
     assert main([*args[:-1], "nobody", "--config", str(config)]) == 1
+
+
+# -- concurrent writers (found by review) -------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _routes_cli(config: Path, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "relay", "routes", *args, "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+
+
+def _file_ids(tmp_path: Path) -> list[str]:
+    return sorted(
+        r["sandbox_id"] for r in json.loads((tmp_path / "routes.json").read_text())["routes"]
+    )
+
+
+def test_a_writer_waits_for_the_one_before(tmp_path: Path) -> None:
+    """put and delete read the file, change it and rename a new one over it: one that read
+    before another's rename undid it (a deleted route came back with its credentials). Each
+    holds .routes.json.lock meanwhile; here the test holds it, and a delete waits."""
+    config = file_config(tmp_path)
+    write_json(tmp_path / "routes.json", {"routes": [route("victim"), route("other")]})
+    lock = os.open(tmp_path / ".routes.json.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    delete = _routes_cli(config, "delete", "victim")
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            delete.wait(timeout=1.5)
+        waited = delete.returncode is None
+        before = _file_ids(tmp_path)
+    finally:
+        os.close(lock)
+        out, _ = delete.communicate(timeout=30)
+    assert waited, "the delete did not wait for the lock"
+    assert before == ["other", "victim"]
+    assert delete.returncode == 0
+    assert b"deleted victim" in out
+    assert _file_ids(tmp_path) == ["other"]
+
+
+def test_concurrent_puts_all_land(tmp_path: Path) -> None:
+    """Eight puts at once, each of its own sandbox: without the lock 3-5 of 8 were lost."""
+    config = file_config(tmp_path)
+    write_json(tmp_path / "routes.json", {"routes": []})
+    sources = [write_json(tmp_path / f"r{i}.json", route(f"box{i}")) for i in range(8)]
+    puts = [_routes_cli(config, "put", str(source)) for source in sources]
+    assert [p.wait(timeout=60) for p in puts] == [0] * 8
+    for p in puts:
+        p.communicate()
+    assert _file_ids(tmp_path) == [f"box{i}" for i in range(8)]
