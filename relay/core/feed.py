@@ -157,6 +157,10 @@ class Fold:
     errors: list[RouteError] = field(default_factory=list)
     count: int = 0  # entries added
     last: StreamId | None = None  # id of the last entry added
+    # Entries with no change to apply (no readable id, an op other than put or delete): what
+    # changed in the hash with them is unknown, so the follower resyncs from it (found by
+    # review: a route deleted from the hash with op "del" kept serving on this relay).
+    unapplied: int = 0
 
     def add(self, entry_id: StreamId, fields: Mapping[bytes, bytes]) -> None:
         change, error = parse_event(fields, self.allowed)
@@ -164,6 +168,8 @@ class Fold:
         self.last = entry_id
         if error is not None:
             self.errors.append(error)
+        if change is None:
+            self.unapplied += 1
         if change is not None:
             self.final.pop(change.sandbox_id, None)  # insertion order = order of last change
             self.final[change.sandbox_id] = change.route

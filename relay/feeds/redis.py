@@ -348,6 +348,14 @@ class RedisFeed:
                 self.events += folding.count
             position = moved
             self.position = position
+            if folding.unapplied:
+                # The hash changed with entries this relay cannot read: it is the truth.
+                log.warning(
+                    "route feed: %d stream entr(y/ies) could not be applied; resyncing from %s",
+                    folding.unapplied,
+                    self.routes_key,
+                )
+                position = await self._snapshot(client)
 
     async def _read_to_end(
         self, client: aioredis.Redis, after: StreamId

@@ -103,19 +103,26 @@ async def test_malformed_routes_are_rejected_alone(
         status, _, _ = await get(session, port_of(relay), "good3", app.port)
         assert status == 200
 
-        # In the stream: one good put, one bad put for an existing id, an unknown op.
+        # One good put, one bad put for an existing id (each with its hash change, as the
+        # schema has it), and an unknown op, which makes the relay resync from the hash.
         async with writer.pipeline(transaction=True) as pipe:
+            pipe.hset("relay:routes", "new1", dumps(route("new1")))
             pipe.xadd(
                 "relay:routes:events", {"op": "put", "id": "new1", "route": dumps(route("new1"))}
             )
             bad = {**route("good1"), "colour": "blue"}
+            pipe.hset("relay:routes", "good1", dumps(bad))
             pipe.xadd("relay:routes:events", {"op": "put", "id": "good1", "route": dumps(bad)})
             pipe.xadd("relay:routes:events", {"op": "rename", "id": "good2"})
             await pipe.execute()
         await wait_for(lambda: relay.table.get("new1") is not None, 3, "the good put")
-        assert relay.observer.route_errors == 5
-        # The malformed put removed good1 (what a resync from the hash would do too);
-        # good2 (unknown op) and the other routes are untouched.
+        feed = relay.feed
+        assert isinstance(feed, RedisFeed)
+        await wait_for(lambda: feed.snapshots >= 2, 3, "the resync")
+        assert relay.observer.route_errors >= 5
+        # The malformed put removed good1 (so did the resync from the hash); good2 (unknown
+        # op) and the other routes are as the hash has them.
+        assert relay.table.get("new1") is not None
         assert relay.table.get("good1") is None
         assert relay.table.get("good2") is not None
         assert relay.table.get("good4") is not None
@@ -525,3 +532,47 @@ async def test_feed_stops_promptly_when_cancelled(
         stop.set()
         await flooding
     assert not slow, f"{len(slow)} of 20 cancellations were ignored"
+
+
+@pytest.mark.parametrize(
+    ("change", "entry", "expected"),
+    [
+        pytest.param("delete", {"op": "del", "id": "rot"}, None, id="unknown-op"),
+        pytest.param("rotate", {"op": "put", "route": "ROTATED"}, "rotated", id="no-id"),
+    ],
+)
+async def test_an_entry_the_relay_cannot_apply_makes_it_resync(
+    tmp_path: Path,
+    writer: aioredis.Redis,
+    redis_proc: RedisProcess,
+    change: str,
+    entry: dict[str, str],
+    expected: str | None,
+) -> None:
+    """Found by review: the hash changed in one MULTI with an entry this relay cannot read (an
+    op spelled "del", a put without its id), and the relay kept the old route and its tokens
+    until an unrelated resync, where the hash, the truth (SPEC §3), no longer had them."""
+    relay = await start_relay(relay_config(tmp_path, redis_proc.url), block_ms=100)
+    try:
+        await put(writer, route("rot"), route("kept"))
+        await wait_for(lambda: relay.table.get("rot") is not None, 5, "the routes")
+        rotated = dumps({**route("rot"), "envd_token": "rotated"})
+        async with writer.pipeline(transaction=True) as pipe:
+            if change == "delete":
+                pipe.hdel("relay:routes", "rot")
+            else:
+                pipe.hset("relay:routes", "rot", rotated)
+            pipe.xadd(
+                "relay:routes:events",
+                {k: rotated if v == "ROTATED" else v for k, v in entry.items()},
+            )
+            await pipe.execute()
+
+        def applied() -> bool:
+            current = relay.table.get("rot")
+            return (current.envd_token if current else None) == expected
+
+        await wait_for(applied, 2, "the hash's change")
+        assert relay.table.get("kept") is not None
+    finally:
+        await relay.stop()
