@@ -29,6 +29,8 @@ class Waiting(Protocol):
 
     def abort(self) -> None: ...
 
+    def close_expired(self) -> None: ...
+
     def check_peer(self) -> None: ...
 
 
@@ -109,7 +111,7 @@ class Timers:
         for conn in _expired(self._idle, now - self.idle_timeout_s):
             conn.close()
         for conn in _expired(self._closing, now - CLOSE_GRACE_S):
-            conn.abort()
+            conn.close_expired()
         for conn in _expired(self._paused, now - PEER_CHECK_S):
             conn.check_peer()  # which calls paused() again while the pause lasts
 

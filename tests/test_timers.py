@@ -3,7 +3,12 @@ and timeouts changed in place by a SIGHUP (relay/reload.py, SPEC §7)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from relay.timers import CLOSE_GRACE_S, PEER_CHECK_S, Timers
+from tests.support.wired import DOMAIN, make_wired
 
 
 class Clock:
@@ -26,6 +31,9 @@ class Conn:
 
     def abort(self) -> None:
         self.events.append("aborted")
+
+    def close_expired(self) -> None:
+        self.abort()
 
     def check_peer(self) -> None:
         self.events.append("peer checked")
@@ -156,3 +164,31 @@ def test_a_paused_client_is_checked_every_peer_check_s_until_resumed() -> None:
     clock.now += PEER_CHECK_S
     timers.sweep()
     assert paused.events == ["peer checked", "peer checked"]
+
+
+@pytest.mark.parametrize("reading", [True, False], ids=["reading", "not-reading"])
+def test_a_closing_client_is_cut_off_only_when_it_stops_reading(
+    tmp_path: Path, reading: bool
+) -> None:
+    """Found by review: relay closed a connection after its last answer (Connection: close)
+    and aborted it CLOSE_GRACE_S later whatever the client did, so a slow reader lost the
+    tail still in relay's buffer, ended by an orderly FIN. It waits on while the client takes
+    some of it within each grace period, and cuts off one that takes nothing."""
+    w = make_wired(tmp_path)
+    clock = Clock()
+    w.relay.timers._clock = clock
+    w.client.data_received(
+        f"GET /big HTTP/1.1\r\nHost: 3000-sbx.{DOMAIN}\r\nConnection: close\r\n\r\n".encode()
+    )
+    w.turns.end()
+    w.client_transport.buffered = 300_000  # a slow client: the answer waits in the buffer
+    w.upstream.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+    w.turns.end()
+    assert w.client_transport.events[-1][0] == "close"
+    for _ in range(4):
+        clock.now += CLOSE_GRACE_S * 0.75
+        if reading:
+            w.client_transport.buffered -= 50_000
+        w.relay.timers.sweep()
+    aborted = ("abort", b"") in w.client_transport.events
+    assert aborted is not reading
