@@ -283,7 +283,13 @@ class RedisFeed:
         info = _info_or_missing(raw_info)
         if isinstance(raw_hash, Exception):
             raise raw_hash
-        routes, errors = await _parse_snapshot_sliced(raw_hash, self.allowed)
+        while True:
+            allowed = self.allowed
+            routes, errors = await _parse_snapshot_sliced(raw_hash, allowed)
+            if allowed is self.allowed:
+                break
+            # A reload changed upstream.allowed_cidrs while a large table was parsed (it
+            # yields between slices): parsed again, none outside the new ones installed.
         if errors:
             self.sink.reject_routes(errors, self.source)
         self.sink.install_routes(routes, self.source)
@@ -329,6 +335,13 @@ class RedisFeed:
                 position = await self._snapshot(client)
                 continue
             folding, info = read
+            if folding.allowed is not self.allowed:
+                # A reload changed upstream.allowed_cidrs while this read was awaited: its puts
+                # were checked against the old ones, and the hash is read afresh instead
+                # (found by review: a put outside the narrowed list was installed after the
+                # reload had removed those outside).
+                position = await self._snapshot(client)
+                continue
             moved = advance(position, info, count=folding.count, last=folding.last)
             if moved is None:
                 self.gaps += 1

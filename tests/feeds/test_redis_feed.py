@@ -8,6 +8,7 @@ each test's docstring.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import sys
@@ -19,7 +20,8 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from relay import metrics
+from relay import metrics, reload
+from relay.config import in_networks
 from relay.core.routes import Network, RouteTable
 from relay.feeds.redis import RedisFeed, RedisTarget
 from relay.runtime import Relay
@@ -574,5 +576,60 @@ async def test_an_entry_the_relay_cannot_apply_makes_it_resync(
 
         await wait_for(applied, 2, "the hash's change")
         assert relay.table.get("kept") is not None
+    finally:
+        await relay.stop()
+
+
+async def test_a_put_read_across_a_narrowing_reload_is_not_installed(
+    tmp_path: Path,
+    writer: aioredis.Redis,
+    redis_proc: RedisProcess,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a SIGHUP that narrows upstream.allowed_cidrs while the feed awaits a
+    read. The read's puts were checked against the old networks and applied after the reload
+    had removed the routes outside the new ones (SPEC §3: an address inside allowed_cidrs)."""
+    relay = await start_relay(relay_config(tmp_path, redis_proc.url), block_ms=3000)
+    feed = relay.feed
+    assert isinstance(feed, RedisFeed)
+    outside: list[str] = []
+    real_apply = relay.apply_routes
+
+    def checked_apply(puts: Any, deletes: Any, source: str) -> None:
+        real_apply(puts, deletes, source)
+        outside.extend(
+            sid
+            for sid, r in relay.table.routes.items()
+            if not in_networks(r.address, relay.allowed_cidrs)
+        )
+
+    real_read = RedisFeed._read_to_end
+    armed: list[bool] = []
+
+    async def read_with_reload(self: RedisFeed, client: Any, after: Any) -> Any:
+        if armed and not armed[0]:
+            armed[0] = True
+
+            def sighup() -> None:  # what Relay.reload does with a narrowed config
+                upstream = dataclasses.replace(
+                    relay.config.upstream, allowed_cidrs=["127.0.0.1/32"]
+                )
+                reload.apply(relay, dataclasses.replace(relay.config, upstream=upstream))
+                relay.feed.load()
+
+            asyncio.get_running_loop().call_soon(sighup)  # while the read below is awaited
+        return await real_read(self, client, after)
+
+    try:
+        await wait_for(lambda: relay.feed_state.ready, 5, "the first table")
+        monkeypatch.setattr(relay, "apply_routes", checked_apply)
+        monkeypatch.setattr(RedisFeed, "_read_to_end", read_with_reload)
+        await asyncio.sleep(0.3)
+        armed.append(False)
+        await put(writer, route("outside", address="127.0.0.2"))
+        await wait_for(lambda: bool(armed[0]) and feed.snapshots >= 2, 5, "the reload's resync")
+        await asyncio.sleep(0.2)
+        assert relay.table.get("outside") is None
+        assert outside == []
     finally:
         await relay.stop()
