@@ -166,6 +166,11 @@ def _plan(key: PlanKey) -> ResponsePlan:
         keep_alive = False  # the client asked to leave HTTP; do not keep it in HTTP
     if not keep_alive:
         out.append((b"Connection", b"close"))
+    elif client_version == "1.0":
+        # An HTTP/1.0 connection persists only when both sides say so (RFC 9112 §9.3, RFC 2068
+        # §19.7.1): without it the client takes this answer as the last and may wait for the
+        # close, while relay keeps the connection (found by review).
+        out.append((b"Connection", b"keep-alive"))
     content_type = seen.get(b"content-type")
     connect_stream = (
         framing is Framing.CHUNKED

@@ -77,6 +77,15 @@ def test_http10_client_gets_a_close_delimited_body() -> None:
     assert result.head.endswith(b"Connection: close\r\n\r\n")
 
 
+def test_an_http10_connection_kept_alive_says_so() -> None:
+    """RFC 9112 §9.3: an HTTP/1.0 connection persists only when both sides say so; without
+    the answer's keep-alive the client takes it for the last (found by review)."""
+    result = plan((CL,), client_version="1.0")
+    assert result.keep_alive
+    assert result.head.endswith(b"Content-Length: 5\r\nConnection: keep-alive\r\n\r\n")
+    assert b"Connection" not in plan((CL,)).head  # HTTP/1.1 persists by default
+
+
 def test_connect_stream_is_recognised_only_when_chunked() -> None:
     ctype = (b"Content-Type", b"application/connect+json")
     assert plan((ctype,)).connect_stream
