@@ -357,7 +357,10 @@ def _check_redis_secrets(routes: Routes) -> None:
     try:
         urllib.parse.urlsplit(routes.redis_url).port  # noqa: B018 - it raises what is wrong
     except ValueError as exc:  # "Invalid IPv6 URL" for redis://[::1:6379/0 (found by review)
-        raise ConfigError(f"routes.redis_url: {exc}") from None
+        # Not urllib's text for a bad port, which quotes it: in "redis://user:secret" (the @
+        # forgotten) the "port" is the password (found by review).
+        why = "invalid port" if "Port" in str(exc) else str(exc)
+        raise ConfigError(f"routes.redis_url: {why}") from None
     _check(
         not (routes.redis_password_file and routes.redis_password_env),
         "routes.redis_password_env",

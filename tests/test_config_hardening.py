@@ -74,6 +74,19 @@ def test_a_query_password_conflicts_with_a_password_file(tmp_path: Path) -> None
         parse(config_data(tmp_path, {"routes": routes}), base_dir=tmp_path)
 
 
+@pytest.mark.parametrize("url", ["redis://:s3cret-pw/0", "redis://relay:s3cret-pw"])
+def test_a_password_taken_for_a_port_is_not_quoted(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the @ forgotten, urlsplit takes the password for the port, and its error quoted it
+    (found by review): check-config printed the secret."""
+    path = config_file(tmp_path, {"routes": {"source": "redis", "redis_url": url}})
+    assert main(["check-config", "--config", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "routes.redis_url" in out + err
+    assert "s3cret" not in out + err
+
+
 def test_relay_routes_keeps_a_private_routes_file_private(tmp_path: Path) -> None:
     """The routes file holds every sandbox's tokens; rewriting it with ``relay routes put``
     under a 022 umask must not make it world-readable (SPEC §2-3)."""
