@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from relay.feeds import file as file_feed
 from tests.support.harness import DOMAIN, route, running_relay, write_routes
 from tests.support.rawhttp import request
 
@@ -88,3 +89,33 @@ async def test_a_version_whose_read_failed_is_read_again(
             await asyncio.sleep(0.02)
         assert not failures  # the read did fail once
         assert relay.relay.observer.feed_errors == 1
+
+
+async def test_polling_goes_on_after_an_unexpected_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: an exception out of a poll (a bug) ended the feed's task, and with it
+    every later reload of the file, while /readyz stayed 200."""
+    real = file_feed.parse_routes
+    bugs = [RuntimeError("a bug")]
+
+    def parse_routes(*args: Any) -> Any:
+        if bugs:
+            raise bugs.pop()
+        return real(*args)
+
+    async with running_relay(tmp_path, [route("first", insecure=True)]) as relay:
+        monkeypatch.setattr(file_feed, "parse_routes", parse_routes)
+        with caplog.at_level("ERROR", logger="relay"):
+            write_routes(relay.routes_file, [route("second", insecure=True)])
+            started = time.monotonic()
+            while bugs:
+                assert time.monotonic() - started < 2.0
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+        write_routes(relay.routes_file, [route("third", insecure=True)])
+        started = time.monotonic()
+        while relay.relay.table.get("third") is None:
+            assert time.monotonic() - started < 2.0, "the file is no longer polled"
+            await asyncio.sleep(0.02)
+    assert "unexpected error" in caplog.text

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -23,6 +24,8 @@ from typing import Any
 
 from relay.core.routes import Network, parse_routes
 from relay.feeds.sink import Sink
+
+log = logging.getLogger("relay.feeds.file")
 
 __all__ = ["FileError", "FileFeed", "Sink", "read_routes_file", "write_routes_file"]
 
@@ -138,4 +141,10 @@ class FileFeed:
         self.load()
         while True:
             await asyncio.sleep(self.poll_interval_s)
-            self.poll()
+            try:
+                self.poll()
+            except Exception:  # a bug: logged, and the polls go on (as the Redis feed's do)
+                # Before, the task ended, and with it every later reload of the file, while
+                # /readyz stayed 200 (found by review). That version counts as seen (a bug
+                # would strike again, and log, at every poll); the next one is read.
+                log.exception("route feed: unexpected error reading %s", self.path)
