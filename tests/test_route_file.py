@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from relay.core.routes import parse_routes as parse_routes_of_core
 from relay.feeds import file as file_feed
 from tests.support.harness import DOMAIN, route, running_relay, write_routes
 from tests.support.rawhttp import request
@@ -96,7 +97,7 @@ async def test_polling_goes_on_after_an_unexpected_error(
 ) -> None:
     """Found by review: an exception out of a poll (a bug) ended the feed's task, and with it
     every later reload of the file, while /readyz stayed 200."""
-    real = file_feed.parse_routes
+    real = parse_routes_of_core
     bugs = [RuntimeError("a bug")]
 
     def parse_routes(*args: Any) -> Any:
