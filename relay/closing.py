@@ -74,6 +74,7 @@ class Closing:
     _paused: int
     _mid_message: bool
     _in_head: bool
+    _headers: list[tuple[bytes, bytes]]  # the request's header fields, as llhttp gave them
     _lingering: float
     _close_left: int  # bytes relay still had to write at the close, or at the last progress
     _client_eof: bool
@@ -147,7 +148,7 @@ class Closing:
         transport = self.transport
         if transport is None or transport.is_closing() or self._lingering:
             return  # a lingering close ends when the client closes, or at its deadline
-        if self._mid_message:
+        if self._mid_message and (transport.can_write_eof() or self._body_may_follow()):
             self._mid_message = False
             self._lingering = time.monotonic()
             self._end_exchanges()  # nothing more is written after the answer
@@ -160,6 +161,22 @@ class Closing:
             self._close_left = transport.get_write_buffer_size()
             transport.close()
         self.relay.timers.close_deadline(self)
+
+    def _body_may_follow(self) -> bool:
+        """More of the request may come: its head is unfinished, or it announced a body. Over
+        TLS no half-close tells the client to stop (asyncio's TLS transport cannot write an
+        EOF), so a lingering close only waits for it to go, up to ``CLOSE_GRACE_S``: a refusal
+        of a whole bodiless request (a 503 past listen.max_connections, a 405) kept the
+        connection, and its slot, 5 s before a reset (found by review). It closes at once."""
+        if self._in_head:
+            return True
+        for name, value in self._headers:
+            lowered = name.lower()
+            if lowered == b"transfer-encoding":
+                return True
+            if lowered == b"content-length" and value.strip(b" \t").lstrip(b"0"):
+                return True
+        return False
 
     def close_expired(self) -> None:
         """``CLOSE_GRACE_S`` passed since the close, or since the client last took some of what

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
@@ -53,7 +54,7 @@ _Start = Coroutine[Any, Any, asyncio.Transport | None]
 class TlsAccept(asyncio.Protocol):
     """One accepted TCP connection of a TLS listener, until its handshake is done."""
 
-    __slots__ = ("_early", "_eof", "_lost", "_raw", "_start", "conn", "relay")
+    __slots__ = ("_accepted", "_early", "_eof", "_lost", "_raw", "_start", "conn", "relay")
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
@@ -63,6 +64,7 @@ class TlsAccept(asyncio.Protocol):
         self._early: list[bytes] = []
         self._eof = False
         self._lost: tuple[Exception | None] | None = None
+        self._accepted = 0.0  # time.monotonic() at accept: the first head's deadline runs from it
 
     # -- the TCP connection
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -76,6 +78,7 @@ class TlsAccept(asyncio.Protocol):
             raw.abort()
             return
         assert relay.tls is not None
+        self._accepted = time.monotonic()
         start = asyncio.get_running_loop().start_tls(
             raw,
             self,
@@ -133,6 +136,9 @@ class TlsAccept(asyncio.Protocol):
         self.conn = conn
         transport.set_protocol(conn)
         conn.connection_made(transport)
+        # SPEC §5a: header_timeout_s runs from accept, and the handshake took part of it (found
+        # by review: the head's wait began afresh here, so a slow client had up to twice it).
+        conn.first_head_by(self._accepted + self.relay.config.listen.header_timeout_s)
         early, self._early = self._early, []
         try:
             for data in early:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
@@ -56,6 +57,7 @@ TRAILERS_TOO_LARGE = Reject(reason=Reason.HEADERS_TOO_LARGE, detail="Request tra
 class ClientConnection(Slices, asyncio.Protocol):
     __slots__ = (
         "_at_start",
+        "_first_head",
         "_head_bytes",
         "_in_head",
         "_keep",
@@ -121,6 +123,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         self.closing = False
         self.overloaded = False
         self.requests = 0
+        self._first_head: asyncio.TimerHandle | None = None  # first_head_by's deadline
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -137,6 +140,21 @@ class ClientConnection(Slices, asyncio.Protocol):
             return
         self.parser = httptools.HttpRequestParser(self)
         relay.timers.expect_head(self)
+
+    def first_head_by(self, deadline: float) -> None:
+        """The first request's head is due by ``deadline`` (``time.monotonic()``), earlier than
+        the timers' own wait, which began now: a TLS connection's began at accept, and its
+        handshake took part of it (relay.handshake)."""
+        if self.closing or self.requests:
+            return
+        self._first_head = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._first_head_due
+        )
+
+    def _first_head_due(self) -> None:
+        self._first_head = None
+        if not self.requests and not self.closing:
+            self.head_timed_out()
 
     def data_received(self, data: bytes) -> None:
         if self._rest and not self.closing:
@@ -265,6 +283,9 @@ class ClientConnection(Slices, asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
+        if self._first_head is not None:
+            self._first_head.cancel()
+            self._first_head = None
         self._rest = b""
         self.relay.timers.forget(self)
         self.relay.release_connection(self)
