@@ -150,7 +150,7 @@ def _reload_tls(relay: Relay, old: Config, new: Config) -> tuple[Config, bool]:
     key = str(new.path(new.listen.tls_key))
     try:
         info = tls.reload(new.routing.domains, cert, key)
-    except (ConfigError, ssl.SSLError, OSError) as exc:
+    except (ConfigError, ssl.SSLError, OSError, ValueError) as exc:
         relay.observer.tls_reloads["error"] += 1
         log.error("TLS reload failed, keeping the current certificate: %s", exc)
         # The files were not taken: keep running with the old paths, and with the old

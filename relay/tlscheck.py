@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
@@ -140,6 +141,16 @@ def load_files(cert_file: Path, key_file: Path) -> tuple[x509.Certificate, Priva
     except ValueError:
         # Never echo the file's content: it is a secret.
         raise TLSCheckError(f"listen.tls_key: {key_file} holds no usable PEM private key") from None
+    except UnsupportedAlgorithm:
+        # Not a ValueError: it escaped start-up as a traceback, and a SIGHUP as a reload that
+        # was neither applied nor counted (found by review: an EC key on secp112r1).
+        raise TLSCheckError(f"listen.tls_key: {key_file} uses an unsupported key type") from None
+    try:
+        chain[0].public_key()
+    except (UnsupportedAlgorithm, ValueError):
+        raise TLSCheckError(
+            f"listen.tls_cert: {cert_file} holds a key of an unsupported type"
+        ) from None
     return chain[0], key
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import logging
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from relay.config import parse
+from relay.config import load, parse
 from relay.runtime import Relay
 from relay.tlscheck import (
     TLSCheckError,
@@ -131,3 +134,52 @@ def test_serve_exits_2_naming_the_key(tmp_path: Path, pki: dict[str, Issued]) ->
         result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def _unsupported_key(path: Path) -> Path:
+    """An EC key on secp112r1: PEM that cryptography refuses with UnsupportedAlgorithm, which
+    is not a ValueError (made by the openssl CLI, as cryptography cannot make one)."""
+    subprocess.run(
+        ["openssl", "ecparam", "-name", "secp112r1", "-genkey", "-noout", "-out", str(path)],
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+@needs_openssl
+def test_a_key_of_an_unsupported_type_is_named(tmp_path: Path, pki: dict[str, Issued]) -> None:
+    """Found by review: it escaped as a traceback (exit 2 expected, naming the key)."""
+    key = _unsupported_key(tmp_path / "odd.key")
+    with pytest.raises(TLSCheckError, match=r"listen\.tls_key: .* unsupported key type"):
+        check_files(pki["good"].cert_file, key, [DOMAIN])
+
+
+@needs_openssl
+async def test_a_reload_with_such_a_key_keeps_the_certificate_and_the_rest(
+    tmp_path: Path, pki: dict[str, Issued], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: on SIGHUP it escaped the reload, whose other settings were dropped,
+    and neither counted nor said why."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(pki["good"].cert_file, cert)
+    shutil.copy(pki["good"].key_file, key)
+    write_routes(tmp_path / "routes.json", [])
+    data = config_data(tmp_path, {"listen": {"tls_cert": str(cert), "tls_key": str(key)}})
+    (tmp_path / "relay.toml").write_text(to_toml(data))
+    relay = Relay(load(tmp_path / "relay.toml"))
+    await relay.start()
+    try:
+        _unsupported_key(key)
+        data["listen"]["max_header_bytes"] = 8192
+        (tmp_path / "relay.toml").write_text(to_toml(data))
+        with caplog.at_level(logging.ERROR):
+            relay.reload()
+        assert "TLS reload failed, keeping the current certificate" in caplog.text
+        assert relay.observer.tls_reloads["error"] == 1
+        assert relay.config.listen.max_header_bytes == 8192
+    finally:
+        await relay.stop()
