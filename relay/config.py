@@ -339,11 +339,18 @@ def redact_url(url: str) -> str:
         url = url.replace(f":{parts.password}@", ":<redacted>@", 1)
     if parts.query:
         pieces = [
-            "password=<redacted>" if piece.partition("=")[0] == "password" else piece
+            # The key as parse_qs (url_password, redis-py) reads it: "pass%77ord" is one too
+            # (found by review: check-config printed its value).
+            "password=<redacted>"
+            if urllib.parse.unquote_plus(piece.partition("=")[0]) == "password"
+            else piece
             for piece in parts.query.split("&")
         ]
         url = url.replace(f"?{parts.query}", "?" + "&".join(pieces), 1)
     return url
+
+
+_URL_ERRORS = (("Port", "invalid port"), ("IPv6", "invalid IPv6 address"))
 
 
 def _check_redis_secrets(routes: Routes) -> None:
@@ -357,9 +364,11 @@ def _check_redis_secrets(routes: Routes) -> None:
     try:
         urllib.parse.urlsplit(routes.redis_url).port  # noqa: B018 - it raises what is wrong
     except ValueError as exc:  # "Invalid IPv6 URL" for redis://[::1:6379/0 (found by review)
-        # Not urllib's text for a bad port, which quotes it: in "redis://user:secret" (the @
-        # forgotten) the "port" is the password (found by review).
-        why = "invalid port" if "Port" in str(exc) else str(exc)
+        # Never urllib's text, which quotes what it could not parse: in "redis://user:secret"
+        # (the @ forgotten) the "port" is the password, and its netloc check quotes the whole
+        # netloc, password included (found by review, twice).
+        text = str(exc)
+        why = next((w for k, w in _URL_ERRORS if k in text), "not a valid URL")
         raise ConfigError(f"routes.redis_url: {why}") from None
     _check(
         not (routes.redis_password_file and routes.redis_password_env),

@@ -61,6 +61,9 @@ def test_check_config_redacts_a_password_in_the_query(
             "redis://h/0?client_name=a%20b&password=<redacted>",
         ),
         ("redis://h/0?password=", "redis://h/0?password="),  # redis-py ignores an empty one
+        # an encoded key is the same key to parse_qs and redis-py (found by review)
+        ("redis://h/0?pass%77ord=p", "redis://h/0?password=<redacted>"),
+        ("redis://h/0?%70assword=p&db=1", "redis://h/0?password=<redacted>&db=1"),
     ],
 )
 def test_redact_url(url: str, shown: str) -> None:
@@ -74,7 +77,10 @@ def test_a_query_password_conflicts_with_a_password_file(tmp_path: Path) -> None
         parse(config_data(tmp_path, {"routes": routes}), base_dir=tmp_path)
 
 
-@pytest.mark.parametrize("url", ["redis://:s3cret-pw/0", "redis://relay:s3cret-pw"])
+@pytest.mark.parametrize(
+    "url",
+    ["redis://:s3cret-pw/0", "redis://relay:s3cret-pw", "redis://relay:s3cret\uff20pw@h:6379"],
+)
 def test_a_password_taken_for_a_port_is_not_quoted(
     tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -65,3 +65,18 @@ async def test_other_options_requests_still_need_the_token(
         relay.port, "OPTIONS", "/files", f"49983-corsbox.{DOMAIN}", headers, body
     )
     assert response.status == 401
+
+
+async def test_the_first_request_method_is_the_one_read(
+    behind_relay: tuple[RelayUnderTest, FakeEnvd],
+) -> None:
+    """envd reads the first value only (Go's Header.Get): an empty first and a second is no
+    preflight to envd, whose handlers would get it, so not to relay either (found by review)."""
+    relay, _ = behind_relay
+    headers = [
+        ("Origin", "https://app.example"),
+        ("Access-Control-Request-Method", ""),
+        ("Access-Control-Request-Method", "POST"),
+    ]
+    response = await request(relay.port, "OPTIONS", "/files", f"49983-corsbox.{DOMAIN}", headers)
+    assert response.status == 401

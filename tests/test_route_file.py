@@ -92,11 +92,12 @@ async def test_a_version_whose_read_failed_is_read_again(
         assert relay.relay.observer.feed_errors == 1
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["a-later-read", "the-first-read"])
 async def test_polling_goes_on_after_an_unexpected_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, first: bool
 ) -> None:
-    """Found by review: an exception out of a poll (a bug) ended the feed's task, and with it
-    every later reload of the file, while /readyz stayed 200."""
+    """Found by review: an exception out of a read (a bug), the first one included, ended the
+    feed's task, and with it every later reload of the file, while /readyz stayed 200."""
     real = parse_routes_of_core
     bugs = [RuntimeError("a bug")]
 
@@ -105,15 +106,18 @@ async def test_polling_goes_on_after_an_unexpected_error(
             raise bugs.pop()
         return real(*args)
 
+    caplog.set_level("ERROR", logger="relay")
+    if first:  # the relay's first read strikes it
+        monkeypatch.setattr(file_feed, "parse_routes", parse_routes)
     async with running_relay(tmp_path, [route("first", insecure=True)]) as relay:
         monkeypatch.setattr(file_feed, "parse_routes", parse_routes)
-        with caplog.at_level("ERROR", logger="relay"):
+        if bugs:
             write_routes(relay.routes_file, [route("second", insecure=True)])
             started = time.monotonic()
             while bugs:
                 assert time.monotonic() - started < 2.0
                 await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)
         write_routes(relay.routes_file, [route("third", insecure=True)])
         started = time.monotonic()
         while relay.relay.table.get("third") is None:

@@ -242,7 +242,11 @@ def _preflight(head: RequestHead, fields: dict[bytes, list[bytes]], framing: Fra
     Access-Control-Request-Method; and, as the Fetch standard sends it, no body."""
     if head.method != b"OPTIONS" or framing is not Framing.NONE:
         return False
-    return any(value.strip() for value in fields.get(b"access-control-request-method", ()))
+    # The first value only, as envd reads it (Go's Header.Get; rs/cors tests it non-empty):
+    # an empty first and a second would be a preflight here and a request to envd's handlers
+    # there (found by review).
+    values = fields.get(b"access-control-request-method")
+    return bool(values and values[0].strip(b" \t"))
 
 
 def _sandbox_host(found: Target, route: Route, settings: Settings) -> bytes:

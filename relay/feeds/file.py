@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,13 +139,16 @@ class FileFeed:
             self.load()
 
     async def run(self) -> None:
-        self.load()
+        poll: Callable[[], object] = (
+            self.load
+        )  # the first read too (found by review: a bug there ended the feed)
         while True:
-            await asyncio.sleep(self.poll_interval_s)
             try:
-                self.poll()
+                poll()
             except Exception:  # a bug: logged, and the polls go on (as the Redis feed's do)
                 # Before, the task ended, and with it every later reload of the file, while
                 # /readyz stayed 200 (found by review). That version counts as seen (a bug
                 # would strike again, and log, at every poll); the next one is read.
                 log.exception("route feed: unexpected error reading %s", self.path)
+            poll = self.poll
+            await asyncio.sleep(self.poll_interval_s)
