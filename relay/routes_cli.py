@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -229,9 +230,16 @@ def _file_locked(path: Path) -> Iterator[None]:
     itself never takes it, as each rename is atomic."""
     lock = path.with_name(f".{path.name}.lock")
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        # Read-only: flock needs no more, and whoever else may write the routes file (the
+        # service user, the file's group) must be able to take it too (found by review: a
+        # 0600 lock file root made locked every other writer out). It holds nothing.
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o640)
     except OSError as exc:
         raise SourceError(f"cannot lock {path}: {exc.strerror}") from None
+    with contextlib.suppress(OSError):  # whoever may read the routes file may take the lock
+        st = os.stat(path)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o666)  # (fails on another's lock file)
+        os.fchown(fd, -1, st.st_gid)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # waits for the other writer (a read-modify-write)
         yield

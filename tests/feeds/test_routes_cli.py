@@ -7,8 +7,10 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -302,3 +304,51 @@ def test_concurrent_puts_all_land(tmp_path: Path) -> None:
     for p in puts:
         p.communicate()
     assert _file_ids(tmp_path) == [f"box{i}" for i in range(8)]
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv")
+def test_a_second_writer_is_not_locked_out() -> None:
+    """Found by review: the lock file root made (0600) locked out every other identity that may
+    write the routes file (the service user, the file's group). It is opened read-only, with
+    the routes file's mode and group."""
+    assert SETPRIV is not None
+    as_nobody = [SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    shared = Path(tempfile.mkdtemp(prefix="relay-lock-", dir="/tmp"))  # nobody can reach it
+    try:
+        shared.chmod(0o777)
+        config = shared / "relay.toml"
+        config.write_text(f'[routes]\nfile = "{shared / "routes.json"}"\n')
+        config.chmod(0o644)
+        (shared / "routes.json").write_text('{"routes": []}')
+        (shared / "routes.json").chmod(0o666)
+        for sandbox_id, who in (
+            ("first", []),
+            ("second", as_nobody),
+        ):
+            source = write_json(shared / f"{sandbox_id}.json", route(sandbox_id))
+            source.chmod(0o644)
+            done = subprocess.run(
+                [
+                    *who,
+                    sys.executable,
+                    "-m",
+                    "relay",
+                    "routes",
+                    "put",
+                    str(source),
+                    "--config",
+                    str(config),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=30,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr
+        assert _file_ids(shared) == ["first", "second"]
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
