@@ -6,6 +6,12 @@ Exit codes: 0 success, 2 configuration or usage error (the message names the bad
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Before the imports below (~0.1 s): a SIGHUP meanwhile ended the process (relay.systemd).
+    from relay.systemd import hold_signals
+
+    hold_signals()
+
 import argparse
 import json
 import logging

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relay import metrics
+from relay import metrics, systemd
 from relay.drain import drain
 from relay.systemd import Notifier
 from relay.worker_config import Saved, load_saved, save
@@ -101,6 +101,7 @@ class Lifecycle:
         self.stop = asyncio.Event()
         self.force = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.announced = False  # READY=1 was sent: later reloads say RELOADING=1, then READY=1
 
     async def run(self) -> None:
         relay = self.relay
@@ -115,6 +116,8 @@ class Lifecycle:
         loop.add_signal_handler(signal.SIGHUP, self.on_reload_signal)
         if self.worker is not None:
             loop.add_signal_handler(WORKER_FORCE_SIGNAL, self.on_force_signal)
+        for sig in systemd.held():  # what came before the handlers (relay.systemd.hold_signals)
+            loop.call_soon(self.on_reload_signal if sig == signal.SIGHUP else self.on_stop_signal)
         self._spawn(self._announce())
         if self.notifier.watchdog_s:
             self._spawn(self._watchdog(self.notifier.watchdog_s))
@@ -149,13 +152,19 @@ class Lifecycle:
         if self.stop.is_set():
             log.info("SIGHUP ignored: relay is draining")
             return
-        self.notifier.reloading()
+        # Before the first READY=1 (the route table not ready yet) a reload is applied but not
+        # announced: its READY=1 told systemd relay was up while /readyz was 503 (SPEC §7;
+        # found by review). The supervisor does the same for its workers.
+        announced = self.announced
+        if announced:
+            self.notifier.reloading()
         try:
             self.relay.reload()
             if self.worker is not None:
                 _save(self.worker.run_dir, self.relay)
         finally:
-            self.notifier.ready(status_line(self.relay))
+            if announced:
+                self.notifier.ready(status_line(self.relay))
 
     async def _shutdown(self) -> None:
         relay = self.relay
@@ -189,6 +198,7 @@ class Lifecycle:
                 return
             await asyncio.sleep(0.05)
         line = status_line(relay)
+        self.announced = True
         self.notifier.ready(line)
         log.info("ready: %s", line)
         while True:

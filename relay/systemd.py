@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -108,3 +109,30 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+# -- signals before the event loop's handlers ---------------------------------------------------
+_held: list[int] = []
+
+
+def hold_signals() -> None:
+    """Remember SIGHUP and SIGTERM until the event loop's handlers are in place (``held``).
+
+    Their default actions end the process: a ``systemctl reload`` or a logrotate hook in the
+    first ~0.3 s of a start (module imports, ``Relay.start``) killed relay, with one worker or
+    several, and systemd counts death by SIGHUP as a clean exit (found by review). Called first
+    thing by ``relay serve``, in the supervisor and in each worker alike.
+    """
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, _remember)
+
+
+def _remember(signum: int, _frame: object) -> None:
+    _held.append(signum)
+
+
+def held() -> list[int]:
+    """The signals that came while held, in order, once; the loop's handlers now take them."""
+    out = _held[:]
+    _held.clear()
+    return out

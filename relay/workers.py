@@ -44,7 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
-from relay import admin
+from relay import admin, systemd
 from relay.config import Config, load, split_address
 from relay.lifecycle import WORKER_FORCE_SIGNAL
 from relay.startup import binding
@@ -125,6 +125,11 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+        for early in systemd.held():  # what came before the handlers (systemd.hold_signals)
+            if early == signal.SIGHUP:
+                loop.call_soon(self._on_reload_signal)
+            else:
+                loop.call_soon(self._on_stop_signal, signal.Signals(early))
         if self.notifier.watchdog_s:
             self._spawn(self._watchdog(self.notifier.watchdog_s))
         self.notifier.status(f"starting {len(self.workers)} workers")

@@ -181,3 +181,36 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "relay.service" not in result.stderr, result.stderr
+
+
+async def test_a_sighup_before_the_routes_are_ready_sends_no_ready(tmp_path: Path) -> None:
+    """Found by review: a SIGHUP before the first route table (a routes file not valid yet,
+    which is no start-up error) made a single relay send RELOADING=1 and READY=1, and systemd
+    took it for started while /readyz was 503 (SPEC §7). The supervisor already held it back."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+    env = dict(os.environ, NOTIFY_SOCKET=str(notify.path))
+    pending = tmp_path / "pending.json"
+    pending.write_text("not a routes file yet")
+    relay = RelayProcess(tmp_path, [], {"routes": {"file": str(pending)}}, env=env)
+    try:
+        relay.start(until_ready=False)
+        assert relay.proc is not None
+        await asyncio.sleep(0.5)
+        status, _ = await get(relay.admin_port, "/readyz")
+        assert status == 503
+        notify.drain()
+        relay.proc.send_signal(signal.SIGHUP)
+        await asyncio.sleep(1.0)
+        status, _ = await get(relay.admin_port, "/readyz")
+        assert status == 503
+        assert "READY" not in notify.names(), [m for _, m in notify.messages]
+        write_routes(pending, [route("late", insecure=True)])  # the table arrives: READY=1
+        for _ in range(50):
+            notify.drain()
+            if "READY" in notify.names():
+                break
+            await asyncio.sleep(0.1)
+        assert "READY" in notify.names()
+    finally:
+        relay.stop()
+        notify.close()
