@@ -33,8 +33,16 @@ FLUSH_S = 1.0  # time given to the last close frames and answers to reach the pe
 
 
 def busy(conn: ClientConnection) -> bool:
-    # A rest of a sliced read (relay.slices) may hold requests relay has not parsed yet.
-    return conn.active is not None or conn.splice is not None or bool(conn.queue or conn.unparsed)
+    # A rest of a sliced read (relay.slices) may hold requests relay has not parsed yet; a head
+    # llhttp began is a request in flight too, answered (503 "draining") rather than closed
+    # under the client (found by review; nginx too closes only connections waiting for a
+    # request's first byte). header_timeout_s bounds how long it may take.
+    return (
+        conn.active is not None
+        or conn.splice is not None
+        or bool(conn.queue or conn.unparsed)
+        or conn.head_begun
+    )
 
 
 def close_idle(relay: Relay) -> int:

@@ -141,6 +141,11 @@ class ClientConnection(Slices, asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         relay.timers.expect_head(self)
 
+    @property
+    def head_begun(self) -> bool:
+        """llhttp began a request head and has not finished it (relay.drain)."""
+        return self._in_head and not self.closing
+
     def first_head_by(self, deadline: float) -> None:
         """The first request's head is due by ``deadline`` (``time.monotonic()``), earlier than
         the timers' own wait, which began now: a TLS connection's began at accept, and its

@@ -227,14 +227,24 @@ class Supervisor:
             self.stop.set()
             return
         worker.failures = next_failures(worker.failures, ran_for)
-        delay = restart_delay(worker.failures)
-        log.info("restarting worker %d in %.1fs", worker.index, delay)
-        await asyncio.sleep(delay)
-        if self.draining or self.stop.is_set():
-            return
-        worker.restarts += 1
         worker.reload_pending = worker.reload_pending or missed
-        await self._start_worker(worker)
+        while True:
+            delay = restart_delay(worker.failures)
+            log.info("restarting worker %d in %.1fs", worker.index, delay)
+            await asyncio.sleep(delay)
+            if self.draining or self.stop.is_set():
+                return
+            try:
+                await self._start_worker(worker)
+            except OSError as exc:
+                # fork or exec failed (EAGAIN under TasksMax, ENOMEM, EMFILE: what workers die
+                # of too): tried again with the backoff, not left one worker short for good
+                # without a word (found by review).
+                log.error("worker %d could not be started: %s", worker.index, exc)
+                worker.failures += 1
+                continue
+            worker.restarts += 1
+            return
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for worker in self.workers:

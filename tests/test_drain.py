@@ -201,3 +201,34 @@ async def test_a_second_signal_cuts_the_drain_short(tmp_path: Path, upstream: Te
             pass
         assert not conn.partial.complete
         await conn.close()
+
+
+async def test_a_head_half_sent_when_the_drain_starts_is_answered(tmp_path: Path) -> None:
+    """Found by review: a client that had sent part of its request head when the drain began
+    had its connection closed with no answer; it is a request in flight (SPEC §7)."""
+
+    async def hello(_request: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with running_relay(tmp_path, [route("sbx1", insecure=True)]) as relay:
+            conn = await Connection.open(relay.port)
+            whole = request_bytes("GET", "/", f"{server.port}-sbx1.{DOMAIN}")
+            await conn.send(whole[:20])  # the request line and part of the Host field
+            await asyncio.sleep(0.2)
+            draining = asyncio.ensure_future(drain(relay.relay, 3.0))
+            await asyncio.sleep(0.3)
+            await conn.send(whole[20:])
+            response = await conn.read_response(3)
+            await conn.close()
+            await draining
+    finally:
+        await server.close()
+    assert response.status == 503
+    body = response.json()
+    assert isinstance(body, dict)
+    assert body["code"] == 503

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -566,3 +567,56 @@ async def test_a_worker_restarted_after_a_refused_tls_pair_serves_the_running_on
     finally:
         relay.stop()
     assert back, relay.output()[-3000:]
+
+
+class _Exited:
+    pid = 222
+    returncode = -9
+
+    async def wait(self) -> int:
+        return -9
+
+
+class _Spawned(_Running):
+    async def wait(self) -> int:
+        await asyncio.sleep(3600)
+        return 0
+
+
+async def test_a_worker_whose_restart_fails_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: when spawning a dead worker's replacement failed once (fork or exec:
+    EAGAIN under TasksMax, ENOMEM, EMFILE), the waiter ended silently and the supervisor ran a
+    worker short for good."""
+    path = tmp_path / "relay.toml"
+    path.write_text("[process]\nworkers = 2\n")
+    supervisor = Supervisor(load(path), "info")
+    supervisor.all_ready.set()
+    monkeypatch.setattr(workers, "restart_delay", lambda failures: 0.01)
+    attempts: list[int] = []
+
+    async def spawn(*args: object, **kwargs: object) -> _Spawned:
+        attempts.append(len(attempts))
+        if len(attempts) == 1:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        return _Spawned(333)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+    victim = supervisor.workers[1]
+    waiter = asyncio.ensure_future(supervisor._wait_worker(victim, _Exited()))  # type: ignore[arg-type]
+    try:
+        for _ in range(200):  # 2 s at most
+            if victim.proc is not None and victim.proc.pid == 333:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        waiter.cancel()
+        for worker in supervisor.workers:
+            if worker.waiter is not None:
+                worker.waiter.cancel()
+        await asyncio.gather(waiter, *supervisor._tasks, return_exceptions=True)
+    assert attempts == [0, 1]
+    assert victim.proc is not None
+    assert victim.proc.pid == 333
+    assert victim.restarts == 1
