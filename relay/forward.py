@@ -301,6 +301,10 @@ class Exchange(Respond):
             and not self.response_complete
             and reader is not None
             and reader.body_until_close()
+            # A Connect stream ends with its end-of-stream envelope: one that closes before it,
+            # mid-envelope or between two, was cut, and ends with the "unavailable" frame (SPEC
+            # §3; found by review: its held half-envelope went out in a body that looked whole).
+            and (self._tracker is None or self._tracker.ended)
         ):
             reader.on_message_complete()  # a close-delimited body ends here (RFC 9112 §6.3)
             return

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from relay.core.streams import end_stream_frame
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, scripted_upstream
 from tests.support.rawhttp import Connection, Response, request_bytes
 
 
@@ -188,3 +188,44 @@ async def test_route_removal_ends_the_stream_with_the_frame(
     assert decode(other.body)[-1] == (2, {})  # the other sandbox's stream ended normally
     await revoked.close()
     await bystander.close()
+
+
+@pytest.mark.parametrize("mid_envelope", [True, False], ids=["mid-envelope", "between-envelopes"])
+async def test_a_stream_without_a_length_cut_by_a_fin_ends_with_the_frame(
+    tmp_path: Path, mid_envelope: bool
+) -> None:
+    """Found by review: a Connect stream whose body runs to the close (an HTTP/1.0-style app,
+    Python's http.server) was taken as complete at the upstream's FIN: its held half-envelope
+    went out in a body that looked whole, and no end-of-stream frame (SPEC §3)."""
+    first = envelope({"event": {"start": {"pid": 1}}})
+    second = envelope({"event": {"data": {"stdout": "aGk="}}})
+
+    async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+            b"Connection: close\r\n\r\n" + first
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(second[:9] if mid_envelope else second)  # then the app dies
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+
+    async with (
+        scripted_upstream(app) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay_,
+    ):
+        conn = await Connection.open(relay_.port)
+        await conn.send(
+            request_bytes("POST", "/process.Process/Start", f"{port}-sbx.{DOMAIN}", body=b"{}")
+        )
+        response = await conn.read_response(timeout=5)
+        await conn.close()
+    assert response.complete
+    events = decode(response.body)  # every envelope whole
+    assert events[0] == (0, {"event": {"start": {"pid": 1}}})
+    assert len(events) == (2 if mid_envelope else 3)
+    assert events[-1][0] == 2
+    assert events[-1][1]["error"]["code"] == "unavailable"  # type: ignore[index]
