@@ -31,6 +31,7 @@ from relay.flow import PAUSE_CLIENT_FULL
 if TYPE_CHECKING:
     from relay.forward import Exchange
     from relay.runtime import Relay
+    from relay.websocket import Splice
 
 log = logging.getLogger("relay.server")
 
@@ -75,6 +76,7 @@ class Closing:
     _mid_message: bool
     _in_head: bool
     _headers: list[tuple[bytes, bytes]]  # the request's header fields, as llhttp gave them
+    splice: Splice | None  # a WebSocket's, once upgraded (relay.slices declares it too)
     _lingering: float
     _close_left: int  # bytes relay still had to write at the close, or at the last progress
     _client_eof: bool
@@ -220,7 +222,12 @@ class Closing:
         sock = transport.get_extra_info("socket")
         if sock is not None:
             poller = select.poll()
-            poller.register(sock.fileno(), 0)
+            # A WebSocket's client that half-closed has left too: relay ends a splice at the
+            # client's FIN when it reads it (eof_received), but a paused one's FIN went unseen
+            # and held the splice, its descriptors and its in-flight count for as long as the
+            # upstream stayed silent (found by review). An HTTP client may half-close and
+            # still read its answer: only a reset or a hang-up ends it.
+            poller.register(sock.fileno(), select.POLLRDHUP if self.splice is not None else 0)
             if poller.poll(0):
                 self.abort()  # connection_lost follows: the exchange and its upstream end
                 return

@@ -1,0 +1,90 @@
+"""Found by review: a WebSocket whose client left (FIN) while relay was not reading it stayed
+spliced.
+
+When relay is not reading the client (the upstream's write buffer is full: a hung or slow
+app), the client's departure is only noticed by ``check_peer`` (relay/closing.py), which
+polls for POLLERR/POLLHUP only. A client that closes its socket normally sends a FIN, which
+is POLLRDHUP: ignored. The splice then lives for as long as the upstream stays silent,
+holding both sockets and counting as in flight for the sandbox (SPEC §5a max_connections),
+although a client FIN on a splice that relay *is* reading ends it at once (eof_received).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import socket
+import struct
+import termios
+from pathlib import Path
+from typing import cast
+
+from relay.flow import PAUSE_UPSTREAM_FULL
+from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
+
+HS_RESP = (
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n"
+)
+
+
+def masked_binary(payload: bytes) -> bytes:
+    key = os.urandom(4)
+    head = bytes([0x82, 0x80 | 126]) + struct.pack(">H", len(payload))
+    return head + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+
+
+def unsent(sock: socket.socket) -> int:  # bytes the kernel has not had acknowledged yet
+    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return queued
+
+
+async def test_client_fin_ends_a_splice_relay_is_not_reading(tmp_path: Path) -> None:
+    upstream_closed = asyncio.Event()
+
+    async def hung_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HS_RESP)
+        transport = cast("asyncio.Transport", writer.transport)  # (uvloop's: no subclass)
+        transport.pause_reading()  # never reads again, never writes
+        try:
+            for _ in range(300):  # bounded: 30 s
+                await asyncio.sleep(0.1)
+                if writer.transport.is_closing():
+                    break
+        finally:
+            upstream_closed.set()
+            writer.close()
+
+    async with (
+        scripted_upstream(hung_app) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(
+            f"GET /ws HTTP/1.1\r\nHost: {port}-sbx.{DOMAIN}\r\nConnection: Upgrade\r\n"
+            "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+        )
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
+            b"HTTP/1.1 101"
+        )
+        (conn,) = relay.relay.connections
+        frame = masked_binary(b"z" * 65000)
+        for _ in range(2000):  # bounded: until relay stops reading the client
+            writer.write(frame)
+            await asyncio.sleep(0.002)
+            if conn._paused & PAUSE_UPSTREAM_FULL:
+                break
+        assert conn._paused & PAUSE_UPSTREAM_FULL
+        sock = writer.get_extra_info("socket")
+        # Everything the client sent reached relay's socket, so its FIN will too.
+        await until(lambda: writer.transport.get_write_buffer_size() == 0 and unsent(sock) == 0)
+        assert relay.relay.inflight.get("sbx") == 1
+        (splice,) = relay.relay.live["sbx"]
+        writer.close()  # the client leaves: a FIN, as any WebSocket client's close
+        # relay checks a client it does not read every PEER_CHECK_S (2 s): well within 5 s.
+        await until(lambda: relay.relay.inflight.get("sbx", 0) == 0, within_s=5)
+        assert splice.upstream.closed  # type: ignore[attr-defined]  # its upstream let go
+        assert not relay.relay.connections
