@@ -79,6 +79,10 @@ SOURCE = "redis"
 BLOCK_MS = 1000  # a blocking read returns at least this often: liveness and gap checks
 READ_COUNT = 5000  # entries per read inside the MULTI
 MAX_BACKLOG = 100_000  # past this many unread entries, resync instead of replaying
+# At most one resync per this many seconds for stream entries relay cannot apply: each reloads
+# the whole hash, and a control plane that writes such entries steadily (a bug, or an op of its
+# own for another consumer) cost every relay of a fleet one per read (found by review).
+UNAPPLIED_RESYNC_S = 5.0
 CONNECT_TIMEOUT_S = 3.0
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 5.0
@@ -199,6 +203,8 @@ class RedisFeed:
         self.events = 0  # stream entries applied
         self.position: Position | None = None
         self._resync_requested = False
+        self._unapplied = False  # entries relay could not apply were read: a resync is due
+        self._unapplied_resync = -UNAPPLIED_RESYNC_S  # clock() at the last such resync
         self._last_ok: float | None = None
         self._broken = False
         self._attempt = 0  # failures since following last worked: the backoff's exponent
@@ -294,6 +300,7 @@ class RedisFeed:
             self.sink.reject_routes(errors, self.source)
         self.sink.install_routes(routes, self.source)
         self.snapshots += 1
+        self._unapplied = False  # whatever entries relay could not apply, the hash had them
         position = start_position(info)
         self.position = position
         log.info(
@@ -315,6 +322,15 @@ class RedisFeed:
                 return
             if self._resync_requested:
                 self._resync_requested = False
+                position = await self._snapshot(client)
+            if self._unapplied and self.clock() - self._unapplied_resync >= UNAPPLIED_RESYNC_S:
+                # The hash changed with entries this relay cannot read: it is the truth.
+                self._unapplied = False
+                self._unapplied_resync = self.clock()
+                log.warning(
+                    "route feed: stream entries could not be applied; resyncing from %s",
+                    self.routes_key,
+                )
                 position = await self._snapshot(client)
             # Wake-up only: COUNT 1 keeps what this read transfers (and we ignore) small.
             await client.xread(
@@ -362,13 +378,7 @@ class RedisFeed:
             position = moved
             self.position = position
             if folding.unapplied:
-                # The hash changed with entries this relay cannot read: it is the truth.
-                log.warning(
-                    "route feed: %d stream entr(y/ies) could not be applied; resyncing from %s",
-                    folding.unapplied,
-                    self.routes_key,
-                )
-                position = await self._snapshot(client)
+                self._unapplied = True  # resynced at the top of the loop, at most so often
 
     async def _read_to_end(
         self, client: aioredis.Redis, after: StreamId

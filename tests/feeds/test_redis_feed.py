@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from relay import metrics, reload
 from relay.config import in_networks
 from relay.core.routes import Network, RouteTable
+from relay.feeds import redis as redis_feed_module
 from relay.feeds.redis import RedisFeed, RedisTarget
 from relay.runtime import Relay
 from tests.feeds.helpers import (
@@ -631,5 +632,42 @@ async def test_a_put_read_across_a_narrowing_reload_is_not_installed(
         await asyncio.sleep(0.2)
         assert relay.table.get("outside") is None
         assert outside == []
+    finally:
+        await relay.stop()
+
+
+async def test_entries_it_cannot_apply_resync_at_most_so_often(
+    tmp_path: Path,
+    writer: aioredis.Redis,
+    redis_proc: RedisProcess,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: each read that held an entry relay cannot apply reloaded the whole hash,
+    so a control plane writing them steadily cost every relay a full resync per read. One per
+    UNAPPLIED_RESYNC_S at most, and the last change still lands after the last entry."""
+    monkeypatch.setattr(redis_feed_module, "UNAPPLIED_RESYNC_S", 0.5, raising=False)
+    relay = await start_relay(relay_config(tmp_path, redis_proc.url), block_ms=100)
+    try:
+        feed = relay.feed
+        assert isinstance(feed, RedisFeed)
+        await put(writer, route("rot"))
+        await wait_for(lambda: relay.table.get("rot") is not None, 5, "the route")
+        before = feed.snapshots
+        started = time.monotonic()
+        for i in range(20):  # 1 s of entries it cannot apply, the last with a token change
+            async with writer.pipeline(transaction=True) as pipe:
+                rotated = {**route("rot"), "envd_token": f"rotated-{i}"}
+                pipe.hset("relay:routes", "rot", dumps(rotated))
+                pipe.xadd("relay:routes:events", {"op": "touch", "id": "rot"})
+                await pipe.execute()
+            await asyncio.sleep(0.05)
+        elapsed = time.monotonic() - started
+
+        def rotated_last() -> bool:
+            current = relay.table.get("rot")
+            return current is not None and current.envd_token == "rotated-19"
+
+        await wait_for(rotated_last, 2, "the last change")
+        assert feed.snapshots - before <= elapsed / 0.5 + 2, feed.snapshots - before
     finally:
         await relay.stop()
