@@ -144,7 +144,9 @@ class Respond:
         )
         self.keep_alive = keep
         head_only = self.head.method == b"HEAD"
-        self.client.write(answer_bytes(answer, close=not keep, head_only=head_only))
+        self.client.write(
+            answer_bytes(answer, close=not keep, head_only=head_only, version=self.head.version)
+        )
         self.bytes_out += 0 if head_only else len(answer.body)
         self.response_complete = True
         self._pending = []

@@ -683,3 +683,24 @@ async def test_http10_request_without_host_reaches_the_guest_with_one(tmp_path: 
     assert heads[0].startswith(
         b"GET /x HTTP/1.1\r\nHost: %d-sbx.%s\r\n" % (app_port, DOMAIN.encode())
     )
+
+
+async def test_an_http10_client_kept_alive_is_told_so_by_relays_own_answers(
+    tmp_path: Path,
+) -> None:
+    """Found by review: relay kept an HTTP/1.0 keep-alive connection after its own answer (a
+    502 for an unknown sandbox here) without saying so, and the client could wait for a close
+    (RFC 9112 §9.3: both sides must say so)."""
+    async with running_relay(tmp_path, []) as relay:
+        conn = await Connection.open(relay.port)
+        try:
+            for _ in range(2):  # the same connection, kept
+                await conn.send(
+                    b"GET /x HTTP/1.0\r\nHost: 3000-nobox.%s\r\nConnection: keep-alive\r\n\r\n"
+                    % DOMAIN.encode()
+                )
+                response = await conn.read_response(timeout=5)
+                assert response.status == 502
+                assert response.header("Connection") == "keep-alive"
+        finally:
+            await conn.close()

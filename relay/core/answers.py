@@ -111,15 +111,21 @@ def reason_phrase(status: int) -> bytes:
     return _phrase(status).encode()
 
 
-def answer_bytes(answer: Answer, *, close: bool, head_only: bool = False) -> bytes:
+def answer_bytes(
+    answer: Answer, *, close: bool, head_only: bool = False, version: str = "1.1"
+) -> bytes:
     """One of relay's own answers as written to the client: the head, with Content-Length and,
     when the connection ends after it, ``Connection: close`` (RFC 9112 §9.6), then the body.
 
     ``head_only`` answers a HEAD request: the same fields, no content (RFC 9110 §9.3.2), since
-    bytes after the head would be read as the next response on a kept-alive connection."""
+    bytes after the head would be read as the next response on a kept-alive connection.
+    ``version`` is the request's: an HTTP/1.0 client is told a kept connection is kept (found by
+    review: relay kept it silently, and the client could wait for the close)."""
     fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
     if close:
         fields = (*fields, (b"Connection", b"close"))
+    elif version == "1.0":  # an HTTP/1.0 connection persists only when both say so (RFC 9112 §9.3)
+        fields = (*fields, (b"Connection", b"keep-alive"))
     head = serialise_response(answer.status, reason_phrase(answer.status), fields)
     return head if head_only else head + answer.body
 
