@@ -156,10 +156,20 @@ def redacted(config: Config) -> dict[str, Any]:
 
 def _check_config(args: argparse.Namespace) -> int:
     config = load(args.config)
+    # What serve refuses with exit 2, check-config refuses too (found by review: it passed a
+    # missing redis_password_file or redis_ca_file, and port 0 with workers).
+    from relay.supervision import preflight, supervises  # noqa: PLC0415
+
+    if supervises(config):
+        preflight(config)
     if not args.offline:
         from relay.preflight import host_checks  # noqa: PLC0415
 
         host_checks(config)
+        if config.routes.source == "redis":
+            from relay.feeds.redis import redis_target  # noqa: PLC0415
+
+            redis_target(config, environment=False)  # its files: the password, the CA
     print(json.dumps(redacted(config), indent=2))
     return 0
 

@@ -217,3 +217,32 @@ async def test_a_silent_client_on_the_tls_port_is_closed_at_the_header_timeout(
             writer.close()
         assert data == b""
         assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        (
+            '[routes]\nsource = "redis"\nredis_url = "rediss://127.0.0.1:1/0"\n'
+            'redis_password_file = "/nonexistent/relay/password"\n',
+            "routes.redis_password_file",
+        ),
+        (
+            '[routes]\nsource = "redis"\nredis_url = "rediss://127.0.0.1:1/0"\n'
+            'redis_ca_file = "/nonexistent/relay/ca.pem"\n',
+            "routes.redis_ca_file",
+        ),
+        ('[listen]\naddress = "127.0.0.1:0"\n[process]\nworkers = 2\n', "listen.address[0]"),
+    ],
+    ids=["password-file", "ca-file", "port-0-with-workers"],
+)
+def test_check_config_refuses_what_serve_refuses(
+    tmp_path: Path, text: str, key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: check-config exited 0 for these, which serve refuses with exit 2."""
+    path = tmp_path / "relay.toml"
+    path.write_text(text)
+    (tmp_path / "routes.json").write_text('{"routes": []}')
+    assert main(["check-config", "--config", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert key in out + err

@@ -112,8 +112,11 @@ class RedisTarget:
         return f"{host}:{parts.port or 6379}"
 
 
-def redis_target(config: Config) -> RedisTarget:
-    """The ``[routes]`` Redis settings with the password read; errors name the key."""
+def redis_target(config: Config, *, environment: bool = True) -> RedisTarget:
+    """The ``[routes]`` Redis settings with the password read; errors name the key.
+
+    ``environment=False`` (``check-config``, run from a shell that need not have the service's
+    environment) does not look for ``routes.redis_password_env``."""
     routes = config.routes
     password: str | None = None
     if routes.redis_password_file:
@@ -126,7 +129,7 @@ def redis_target(config: Config) -> RedisTarget:
             ) from None
         if not password:
             raise ConfigError(f"routes.redis_password_file: {path} is empty")
-    elif routes.redis_password_env:
+    elif routes.redis_password_env and environment:
         password = os.environ.get(routes.redis_password_env) or None
         if password is None:
             raise ConfigError(
