@@ -182,3 +182,22 @@ def test_every_byte_of_an_envelope_length_counts() -> None:
     assert tracker.at_boundary
     assert tracker.feed(envelope(b"z")[:3]) == b""
     assert tracker.holding == 3
+
+
+def test_an_envelope_in_pieces_is_held_whole_and_released_once() -> None:
+    """Pieces of a held envelope are kept apart and joined once, when it completes (found by
+    review: joined at every piece, 256 KiB in 1-byte chunks cost ~2.5 s of CPU here, 0.1 s
+    now); what is held is counted and released the same either way."""
+    whole = envelope(b"y" * 1000)
+    tracker = EnvelopeTracker()
+    for i, byte in enumerate(whole[:-1]):
+        assert tracker.feed(bytes([byte])) == b""
+        assert tracker.holding == i + 1
+    assert tracker.feed(whole[-1:] + whole[:3]) == whole  # and the next one's first bytes
+    assert tracker.holding == 3
+    cut = EnvelopeTracker()
+    for byte in whole[:700]:
+        cut.feed(bytes([byte]))
+    assert cut.rest() == whole[:700]
+    assert cut.holding == 0
+    assert cut.feed(whole) == whole
