@@ -6,8 +6,13 @@ Exit codes: 0 success, 2 configuration or usage error (the message names the bad
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    # Before the imports below (~0.1 s): a SIGHUP meanwhile ended the process (relay.systemd).
+import sys
+
+if sys.argv[1:2] == ["serve"]:
+    # Before the imports below (~0.1 s), whether run as ``python -m relay`` or as the console
+    # script (which imports this module): a SIGHUP meanwhile ended the process (relay.systemd;
+    # found by review, then found missing from the console script, and holding the signals of
+    # every other command for good). Only ``serve``'s event loop takes them later.
     from relay.systemd import hold_signals
 
     hold_signals()
@@ -16,7 +21,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 import urllib.parse
 from pathlib import Path
@@ -158,10 +162,10 @@ def _check_config(args: argparse.Namespace) -> int:
     config = load(args.config)
     # What serve refuses with exit 2, check-config refuses too (found by review: it passed a
     # missing redis_password_file or redis_ca_file, and port 0 with workers).
-    from relay.supervision import preflight, supervises  # noqa: PLC0415
+    from relay.supervision import config_checks, supervises  # noqa: PLC0415
 
     if supervises(config):
-        preflight(config)
+        config_checks(config)  # (host_checks below unless --offline)
     if not args.offline:
         from relay.preflight import host_checks  # noqa: PLC0415
 

@@ -16,8 +16,11 @@ their slots and sets them (as ``relay.respond.Respond`` does for an exchange).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import select
+import struct
+import termios
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -38,6 +41,9 @@ log = logging.getLogger("relay.server")
 # Lingering close (Closing.close), as nginx's lingering_time: the wait between two reads is
 # the closing grace of relay.timers (CLOSE_GRACE_S, nginx's lingering_timeout).
 LINGER_TOTAL_S = 30.0
+# A WebSocket client gone (its FIN) with frames relay has not read yet, held back by a slow
+# upstream: how long the upstream may take none of them before the splice ends anyway.
+SPLICE_FIN_WAIT_S = 30.0
 
 
 class Closing:
@@ -47,6 +53,7 @@ class Closing:
     __slots__ = (
         "_client_eof",
         "_close_left",
+        "_fin_progress",
         "_head_raw",
         "_lingering",
         "_mid_message",
@@ -79,6 +86,7 @@ class Closing:
     splice: Splice | None  # a WebSocket's, once upgraded (relay.slices declares it too)
     _lingering: float
     _close_left: int  # bytes relay still had to write at the close, or at the last progress
+    _fin_progress: tuple[int, float]  # a gone WebSocket client's bytes passed on, and when
     _client_eof: bool
     tls: bool
 
@@ -228,10 +236,29 @@ class Closing:
             # upstream stayed silent (found by review). An HTTP client may half-close and
             # still read its answer: only a reset or a hang-up ends it.
             poller.register(sock.fileno(), select.POLLRDHUP if self.splice is not None else 0)
-            if poller.poll(0):
+            events = poller.poll(0)
+            if events and not self._frames_to_pass(events[0][1], sock.fileno()):
                 self.abort()  # connection_lost follows: the exchange and its upstream end
                 return
         self.relay.timers.paused(self)
+
+    def _frames_to_pass(self, revents: int, fd: int) -> bool:
+        """A WebSocket client that sent its FIN while relay held its frames back (its upstream
+        slow) still has them passed on, the Close frame among them, while the upstream takes
+        some within SPLICE_FIN_WAIT_S (found by review: cut at the first check, the upstream
+        lost the tail). A reset, a hang-up, or nothing left unread ends it at once."""
+        splice = self.splice
+        if splice is None or revents & (select.POLLERR | select.POLLHUP):
+            return False
+        unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        if not unread:
+            return False
+        now = time.monotonic()
+        passed, since = self._fin_progress
+        if splice.bytes_in != passed:
+            self._fin_progress = (splice.bytes_in, now)
+            return True
+        return now - since < SPLICE_FIN_WAIT_S
 
     def abort(self) -> None:
         self.relay.outbox.flush()

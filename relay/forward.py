@@ -304,7 +304,10 @@ class Exchange(Respond):
             # A Connect stream ends with its end-of-stream envelope: one that closes before it,
             # mid-envelope or between two, was cut, and ends with the "unavailable" frame (SPEC
             # §3; found by review: its held half-envelope went out in a body that looked whole).
-            and (self._tracker is None or self._tracker.ended)
+            # A stream no longer followed (relay.core.streams: too many envelopes in a read)
+            # has its end taken on trust, as before (found by review: its end envelope went
+            # unseen, and a whole stream was cut).
+            and (self._tracker is None or self._tracker.ended or not self._tracker.following)
         ):
             reader.on_message_complete()  # a close-delimited body ends here (RFC 9112 §6.3)
             return

@@ -239,7 +239,9 @@ def _file_locked(path: Path) -> Iterator[None]:
     with contextlib.suppress(OSError):  # whoever may read the routes file may take the lock
         st = os.stat(path)
         os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o666)  # (fails on another's lock file)
-        os.fchown(fd, -1, st.st_gid)
+        with contextlib.suppress(PermissionError):  # its owner too (found by review): as root
+            os.fchown(fd, st.st_uid, st.st_gid)
+        os.fchown(fd, -1, st.st_gid)  # not root: its group, where the caller is in it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # waits for the other writer (a read-modify-write)
         yield

@@ -24,7 +24,9 @@ def restart_delay(failures: int) -> float:
     """Seconds to wait before restarting a worker that failed ``failures`` times in a row."""
     if failures <= 0:
         return 0.0
-    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1)))
+    # The exponent capped: past ~1,024 failures (hours of a crash loop, or of fork failing)
+    # the float overflowed, and the waiter that restarts the worker died (found by review).
+    return float(min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(failures - 1, 64)))
 
 
 def next_failures(previous: int, ran_for_s: float) -> int:
@@ -64,6 +66,13 @@ def worker_env(
 
 def preflight(config: Config) -> None:
     """What the workers would each refuse, checked once before any is spawned (exit 2)."""
+    config_checks(config)
+    host_checks(config)
+
+
+def config_checks(config: Config) -> None:
+    """The part of :func:`preflight` that reads nothing of this host (``check-config
+    --offline`` runs it too)."""
     for i, address in enumerate(config.listen.addresses):
         parsed = split_address(address)
         if parsed is not None and parsed[1] == 0:
@@ -73,7 +82,6 @@ def preflight(config: Config) -> None:
             )
     if config.source is None:
         raise ConfigError("process.workers: workers need a configuration file to start from")
-    host_checks(config)
 
 
 def supervises(config: Config, env: Mapping[str, str] | None = None) -> bool:

@@ -246,3 +246,19 @@ def test_check_config_refuses_what_serve_refuses(
     assert main(["check-config", "--config", str(path)]) == 2
     out, err = capsys.readouterr()
     assert key in out + err
+
+
+def test_offline_skips_the_host_checks_with_workers_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: with process.workers > 1, check-config --offline ran the host checks
+    (TLS files, source address) through the supervisor's preflight."""
+    path = tmp_path / "relay.toml"
+    path.write_text(
+        '[listen]\naddress = "127.0.0.1:8443"\n'
+        'tls_cert = "/nonexistent/relay/cert.pem"\ntls_key = "/nonexistent/relay/key.pem"\n'
+        "[process]\nworkers = 2\n"
+    )
+    (tmp_path / "routes.json").write_text('{"routes": []}')
+    assert main(["check-config", "--offline", "--config", str(path)]) == 0, capsys.readouterr()
+    assert main(["check-config", "--config", str(path)]) == 2  # online, they are checked

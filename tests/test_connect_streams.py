@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from relay.core.streams import end_stream_frame
+from relay.core.streams import MAX_ENVELOPES_PER_READ, end_stream_frame
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, scripted_upstream
 from tests.support.rawhttp import Connection, Response, request_bytes
 
@@ -229,3 +229,33 @@ async def test_a_stream_without_a_length_cut_by_a_fin_ends_with_the_frame(
     assert len(events) == (2 if mid_envelope else 3)
     assert events[-1][0] == 2
     assert events[-1][1]["error"]["code"] == "unavailable"  # type: ignore[index]
+
+
+async def test_a_stream_no_longer_followed_ends_at_the_fin(tmp_path: Path) -> None:
+    """Found by review of the test above's fix: past MAX_ENVELOPES_PER_READ envelopes in a read
+    relay stops following them, so never sees the end envelope; such a stream's FIN is its end,
+    taken on trust as before, not a cut."""
+    body = b"\0\0\0\0\0" * (MAX_ENVELOPES_PER_READ * 3) + envelope({}, flags=2)
+
+    async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+            b"Connection: close\r\n\r\n" + body
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+
+    async with (
+        scripted_upstream(app) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay_,
+    ):
+        conn = await Connection.open(relay_.port)
+        await conn.send(
+            request_bytes("POST", "/process.Process/Start", f"{port}-sbx.{DOMAIN}", body=b"{}")
+        )
+        response = await conn.read_response(timeout=5)
+        await conn.close()
+    assert response.complete
+    assert response.body == body

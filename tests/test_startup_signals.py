@@ -6,6 +6,9 @@ SIGTERM ended it with -15 instead of a drain and exit 0. They are held until the
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,7 +23,13 @@ from tests.support.ports import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _start(tmp_path: Path, workers: int) -> subprocess.Popen[bytes]:
+# What pip's console script (/usr/local/bin/relay, systemd's ExecStart) does: it imports
+# relay.__main__ as a module (found by review: the hold ran only under `python -m relay`).
+CONSOLE_SCRIPT = "import sys\nfrom relay.__main__ import main\nsys.exit(main())\n"
+LAUNCHERS = {"module": ["-m", "relay"], "console-script": ["-c", CONSOLE_SCRIPT]}
+
+
+def _start(tmp_path: Path, workers: int, launcher: str = "module") -> subprocess.Popen[bytes]:
     data = config_data(tmp_path, {"process": {"workers": workers}}, port=free_port())
     data["admin"]["address"] = f"127.0.0.1:{free_port()}"
     write_routes(tmp_path / "routes.json", [route("box", insecure=True)])
@@ -28,7 +37,7 @@ def _start(tmp_path: Path, workers: int) -> subprocess.Popen[bytes]:
     config.write_text(to_toml(data))
     with (tmp_path / "stderr").open("wb") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "relay", "serve", "--config", str(config)],
+            [sys.executable, *LAUNCHERS[launcher], "serve", "--config", str(config)],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -46,10 +55,13 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
     return proc.returncode
 
 
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("after_s", [0.1, 0.3])
-def test_a_sighup_while_starting_is_a_reload(tmp_path: Path, workers: int, after_s: float) -> None:
-    proc = _start(tmp_path, workers)
+def test_a_sighup_while_starting_is_a_reload(
+    tmp_path: Path, workers: int, after_s: float, launcher: str
+) -> None:
+    proc = _start(tmp_path, workers, launcher)
     try:
         time.sleep(after_s)
         assert proc.poll() is None
@@ -69,3 +81,31 @@ def test_a_sigterm_while_starting_is_a_stop(tmp_path: Path, workers: int) -> Non
         assert proc.wait(15) == 0, (tmp_path / "stderr").read_text()[-500:]
     finally:
         _stop(proc)
+
+
+def test_other_commands_keep_the_default_signal_actions(tmp_path: Path) -> None:
+    """Found by review: signals were held for every command, and only serve's event loop takes
+    them, so a `relay routes put` waiting for the routes file's lock ignored SIGTERM."""
+    config = tmp_path / "relay.toml"
+    config.write_text('[routes]\nsource = "file"\nfile = "routes.json"\n')
+    (tmp_path / "routes.json").write_text('{"routes": []}')
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(route("aaa", insecure=True)))
+    lock = os.open(tmp_path / ".routes.json.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the put waits for it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "routes", "put", str(one), "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(lock)

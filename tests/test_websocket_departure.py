@@ -20,6 +20,9 @@ import termios
 from pathlib import Path
 from typing import cast
 
+import pytest
+
+from relay import closing
 from relay.flow import PAUSE_UPSTREAM_FULL
 from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
 
@@ -40,7 +43,11 @@ def unsent(sock: socket.socket) -> int:  # bytes the kernel has not had acknowle
     return queued
 
 
-async def test_client_fin_ends_a_splice_relay_is_not_reading(tmp_path: Path) -> None:
+async def test_client_fin_ends_a_splice_relay_is_not_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its frames left unread wait for an upstream that takes none for SPLICE_FIN_WAIT_S.
+    monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 1.0)
     upstream_closed = asyncio.Event()
 
     async def hung_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -85,6 +92,76 @@ async def test_client_fin_ends_a_splice_relay_is_not_reading(tmp_path: Path) -> 
         (splice,) = relay.relay.live["sbx"]
         writer.close()  # the client leaves: a FIN, as any WebSocket client's close
         # relay checks a client it does not read every PEER_CHECK_S (2 s): well within 5 s.
-        await until(lambda: relay.relay.inflight.get("sbx", 0) == 0, within_s=5)
+        await until(lambda: relay.relay.inflight.get("sbx", 0) == 0, within_s=8)
         assert splice.upstream.closed  # type: ignore[attr-defined]  # its upstream let go
         assert not relay.relay.connections
+
+
+def masked_close() -> bytes:
+    key = os.urandom(4)
+    payload = struct.pack(">H", 1000)
+    return bytes([0x88, 0x80 | 2]) + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+
+
+async def test_a_slow_upstream_gets_everything_sent_before_the_client_fin(tmp_path: Path) -> None:
+    """Found by review of the fix above: the peer check cut the splice at the FIN while relay's
+    socket still held frames the client sent before it, its Close frame among them; they are
+    passed on while the upstream takes some (relay.closing.SPLICE_FIN_WAIT_S)."""
+    received = bytearray()
+    done = asyncio.Event()
+
+    async def slow_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HS_RESP)
+        transport = cast("asyncio.Transport", writer.transport)
+        transport.pause_reading()
+        await asyncio.sleep(4.5)  # slow for a while (longer than PEER_CHECK_S), then reads all
+        transport.resume_reading()
+        try:
+            while True:
+                chunk = await asyncio.wait_for(reader.read(1 << 20), 8)
+                if not chunk:
+                    break
+                received.extend(chunk)
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            done.set()
+            writer.close()
+
+    async with (
+        scripted_upstream(slow_app) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(
+            f"GET /ws HTTP/1.1\r\nHost: {port}-sbx.{DOMAIN}\r\nConnection: Upgrade\r\n"
+            "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+        )
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
+            b"HTTP/1.1 101"
+        )
+        (conn,) = relay.relay.connections
+        frame = masked_binary(b"z" * 65000)
+        sent = 0
+        for _ in range(2000):
+            writer.write(frame)
+            sent += len(frame)
+            await asyncio.sleep(0.002)
+            if conn._paused & PAUSE_UPSTREAM_FULL:
+                break
+        assert conn._paused & PAUSE_UPSTREAM_FULL
+        for _ in range(3):  # some more, sitting unread in relay's socket
+            writer.write(frame)
+            sent += len(frame)
+        close = masked_close()
+        writer.write(close)
+        sent += len(close)
+        sock = writer.get_extra_info("socket")
+        await until(lambda: writer.transport.get_write_buffer_size() == 0 and unsent(sock) == 0)
+        writer.write_eof()  # the client's Close is sent: it half-closes
+        await asyncio.wait_for(done.wait(), 20)
+        writer.close()
+    assert len(received) == sent, f"upstream got {len(received)} of {sent} bytes"
+    assert bytes(received).endswith(close)

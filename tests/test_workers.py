@@ -620,3 +620,10 @@ async def test_a_worker_whose_restart_fails_is_tried_again(
     assert victim.proc is not None
     assert victim.proc.pid == 333
     assert victim.restarts == 1
+
+
+def test_the_restart_delay_is_capped_for_any_count() -> None:
+    """Found by review: past ~1,024 failures 2 ** (n - 1) overflowed a float, and the waiter
+    that restarts the worker died."""
+    assert restart_delay(1100) == BACKOFF_MAX_S
+    assert restart_delay(10**6) == BACKOFF_MAX_S

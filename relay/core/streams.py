@@ -74,6 +74,11 @@ class EnvelopeTracker:
         return not self._skip and not self._lost
 
     @property
+    def following(self) -> bool:
+        """Envelope boundaries are still followed (not past MAX_ENVELOPES_PER_READ in a read)."""
+        return not self._lost
+
+    @property
     def holding(self) -> int:
         return len(self._held) + sum(map(len, self._more))
 

@@ -7,6 +7,7 @@ import fcntl
 import io
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -310,10 +311,12 @@ SETPRIV = shutil.which("setpriv")
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv")
-def test_a_second_writer_is_not_locked_out() -> None:
-    """Found by review: the lock file root made (0600) locked out every other identity that may
-    write the routes file (the service user, the file's group). It is opened read-only, with
-    the routes file's mode and group."""
+@pytest.mark.parametrize("owner", ["root-0666", "nobody-0600"])
+def test_a_second_writer_is_not_locked_out(owner: str) -> None:
+    """Found by review, twice: the lock file root made locked out another identity that may
+    write the routes file: the service user through the file's mode or group (a 0600 lock
+    file), or as the file's owner (a lock file of root's). It is opened read-only, and takes the
+    routes file's owner, group and mode."""
     assert SETPRIV is not None
     as_nobody = [SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     shared = Path(tempfile.mkdtemp(prefix="relay-lock-", dir="/tmp"))  # nobody can reach it
@@ -322,26 +325,20 @@ def test_a_second_writer_is_not_locked_out() -> None:
         config = shared / "relay.toml"
         config.write_text(f'[routes]\nfile = "{shared / "routes.json"}"\n')
         config.chmod(0o644)
-        (shared / "routes.json").write_text('{"routes": []}')
-        (shared / "routes.json").chmod(0o666)
-        for sandbox_id, who in (
-            ("first", []),
-            ("second", as_nobody),
-        ):
+        routes = shared / "routes.json"
+        routes.write_text('{"routes": []}')
+        if owner == "root-0666":
+            routes.chmod(0o666)
+        else:  # the service user's own file
+            nobody = pwd.getpwnam("nobody")
+            os.chown(routes, nobody.pw_uid, nobody.pw_gid)
+            routes.chmod(0o600)
+        for sandbox_id, who in (("first", []), ("second", as_nobody)):
             source = write_json(shared / f"{sandbox_id}.json", route(sandbox_id))
             source.chmod(0o644)
+            put = ["routes", "put", str(source), "--config", str(config)]
             done = subprocess.run(
-                [
-                    *who,
-                    sys.executable,
-                    "-m",
-                    "relay",
-                    "routes",
-                    "put",
-                    str(source),
-                    "--config",
-                    str(config),
-                ],
+                [*who, sys.executable, "-m", "relay", *put],
                 capture_output=True,
                 text=True,
                 cwd=ROOT,
