@@ -149,7 +149,10 @@ def _put(config: Config, routes: list[dict[str, Any]], maxlen: int) -> int:
         server = _redis(config, lambda c, prefix: _redis_put(c, prefix, pairs, maxlen))
         where = f"redis {server}"
     else:
-        path = config.path(config.routes.file)
+        # Through a symlink to the file it names: renamed over, the link became a file of its
+        # own, which relays reading the real one never saw (found by review: a delete kept
+        # serving); and one lock for both ways to name it.
+        path = Path(os.path.realpath(config.path(config.routes.file)))
         with _file_locked(path):
             existing = _file_items(path, missing_ok=True)
             new_ids = {r["sandbox_id"] for r in routes}
@@ -174,7 +177,10 @@ def _delete(config: Config, sandbox_id: str, maxlen: int) -> int:
 
         _redis(config, go)
     else:
-        path = config.path(config.routes.file)
+        # Through a symlink to the file it names: renamed over, the link became a file of its
+        # own, which relays reading the real one never saw (found by review: a delete kept
+        # serving); and one lock for both ways to name it.
+        path = Path(os.path.realpath(config.path(config.routes.file)))
         with _file_locked(path):
             items = _file_items(path, missing_ok=False)
             kept = [

@@ -6,6 +6,8 @@ import ipaddress
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from relay.core.model import Route
 from relay.core.routes import RouteError, RouteTable, parse_route, parse_routes, public_view
@@ -147,3 +149,44 @@ def test_public_view_has_no_token() -> None:
     view = public_view(route())
     assert "e" not in view.values()
     assert not any("token" in key and key != "has_traffic_token" for key in view)
+
+
+KNOWN_ITEMS: list[dict[str, Any]] = [
+    GOOD,
+    with_(sandbox_id="six", address="fd00:0::6", traffic_token=..., insecure=True),
+    with_(sandbox_id="gen", generation=3, max_connections=2),
+]
+VARIANTS: list[dict[str, Any]] = [
+    {},
+    {"generation": True},
+    {"generation": 7.0},
+    {"generation": 8},
+    {"max_connections": False},
+    {"max_connections": 0.0},
+    {"insecure": 1},
+    {"insecure": True},
+    {"address": "10.11.0.05"},
+    {"address": "fd00::6"},
+    {"address": "8.8.8.8"},
+    {"envd_token": "other"},
+    {"envd_token": None},
+    {"traffic_token": None},
+    {"colour": "red"},
+    {"sandbox_id": ["x"]},
+]
+
+
+@given(
+    picks=st.lists(
+        st.tuples(st.integers(0, len(KNOWN_ITEMS) - 1), st.integers(0, len(VARIANTS) - 1)),
+        max_size=8,
+    )
+)
+def test_known_routes_change_nothing_but_the_work(picks: list[tuple[int, int]]) -> None:
+    """parse_routes with the last load's routes (the routes file's reloads, found slow by
+    review) gives exactly what it gives without them, for items of the same ids changed in
+    value, in JSON type (True is not 1) or in spelling."""
+    known, errors = parse_routes(KNOWN_ITEMS, ALLOWED)
+    assert not errors
+    items = [{**KNOWN_ITEMS[i], **VARIANTS[v]} for i, v in picks]
+    assert parse_routes(items, ALLOWED, known) == parse_routes(items, ALLOWED)

@@ -349,3 +349,32 @@ def test_a_second_writer_is_not_locked_out(owner: str) -> None:
         assert _file_ids(shared) == ["first", "second"]
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_writers_through_a_symlink_change_and_lock_the_file_it_names(tmp_path: Path) -> None:
+    """Found by review: with routes.file a symlink (/etc/relay/routes.json into a data volume),
+    put and delete renamed their new file over the link, which became a file of its own: a
+    relay reading the real file never saw a delete ("deleted victim", exit 0, still served),
+    and writers naming the link and the real file took two different locks."""
+    data = tmp_path / "data"
+    data.mkdir()
+    real = write_json(data / "routes.json", {"routes": [route("victim"), route("other")]})
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "routes.json").symlink_to(real)
+    config = file_config(etc)
+    lock = os.open(data / ".routes.json.lock", os.O_RDONLY | os.O_CREAT, 0o640)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a writer naming the real file holds its lock
+    delete = _routes_cli(config, "delete", "victim")
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            delete.wait(timeout=1.5)
+        waited = delete.returncode is None
+    finally:
+        os.close(lock)
+        out, _ = delete.communicate(timeout=30)
+    assert waited, "the writer through the symlink did not wait for the real file's lock"
+    assert delete.returncode == 0
+    assert b"deleted victim" in out
+    assert (etc / "routes.json").is_symlink()
+    assert _file_ids(data) == ["other"]
