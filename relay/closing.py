@@ -44,6 +44,9 @@ LINGER_TOTAL_S = 30.0
 # A WebSocket client gone (its FIN) with frames relay has not read yet, held back by a slow
 # upstream: how long the upstream may take none of them before the splice ends anyway.
 SPLICE_FIN_WAIT_S = 30.0
+# A closed connection whose client takes none of relay's last answer for this long is cut off
+# (nginx's send_timeout; without a total, as SPEC §4 has none on an exchange).
+CLOSE_STALL_S = 60.0
 
 
 class Closing:
@@ -53,6 +56,7 @@ class Closing:
     __slots__ = (
         "_client_eof",
         "_close_left",
+        "_close_moved",
         "_fin_progress",
         "_head_raw",
         "_lingering",
@@ -86,6 +90,7 @@ class Closing:
     splice: Splice | None  # a WebSocket's, once upgraded (relay.slices declares it too)
     _lingering: float
     _close_left: int  # bytes relay still had to write at the close, or at the last progress
+    _close_moved: float  # relay.timers.now() then
     _fin_progress: tuple[int, float]  # a gone WebSocket client's bytes passed on, and when
     _client_eof: bool
     tls: bool
@@ -169,6 +174,7 @@ class Closing:
             transport.resume_reading()
         else:
             self._close_left = transport.get_write_buffer_size()
+            self._close_moved = self.relay.timers.now()
             transport.close()
         self.relay.timers.close_deadline(self)
 
@@ -197,8 +203,15 @@ class Closing:
         transport = self.transport
         if transport is not None and not self._lingering:
             left = transport.get_write_buffer_size()
+            now = self.relay.timers.now()
             if 0 < left < self._close_left:
-                self._close_left = left
+                self._close_left, self._close_moved = left, now
+                self.relay.timers.close_deadline(self)
+                return
+            if left and now - self._close_moved < CLOSE_STALL_S:
+                # A client that stopped reading for a while, as a download's reader may: up to
+                # nginx's send_timeout between two of its reads (found by review: cut after 5
+                # s, it lost the tail of an answer relay had already sent).
                 self.relay.timers.close_deadline(self)
                 return
         self.abort()

@@ -83,6 +83,10 @@ class Timers:
         self._idle.pop(conn, None)
         self._idle[conn] = self._clock()
 
+    def now(self) -> float:
+        """The timers' clock (``time.monotonic``, or a test's)."""
+        return self._clock()
+
     def close_deadline(self, conn: Waiting) -> None:
         """A closing connection whose peer does not read gets aborted after a grace period."""
         self._head.pop(conn, None)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from relay.closing import CLOSE_STALL_S
 from relay.timers import CLOSE_GRACE_S, PEER_CHECK_S, Timers
 from tests.support.wired import DOMAIN, make_wired
 
@@ -173,7 +174,7 @@ def test_a_closing_client_is_cut_off_only_when_it_stops_reading(
     """Found by review: relay closed a connection after its last answer (Connection: close)
     and aborted it CLOSE_GRACE_S later whatever the client did, so a slow reader lost the
     tail still in relay's buffer, ended by an orderly FIN. It waits on while the client takes
-    some of it within each grace period, and cuts off one that takes nothing."""
+    some, and cuts off one that takes nothing for CLOSE_STALL_S (nginx's send_timeout)."""
     w = make_wired(tmp_path)
     clock = Clock()
     w.relay.timers._clock = clock
@@ -185,10 +186,12 @@ def test_a_closing_client_is_cut_off_only_when_it_stops_reading(
     w.upstream.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
     w.turns.end()
     assert w.client_transport.events[-1][0] == "close"
-    for _ in range(4):
-        clock.now += CLOSE_GRACE_S * 0.75
+    steps = int(CLOSE_STALL_S / CLOSE_GRACE_S) + 2
+    for step in range(steps):
+        clock.now += CLOSE_GRACE_S
         if reading:
-            w.client_transport.buffered -= 50_000
+            w.client_transport.buffered -= 10_000
         w.relay.timers.sweep()
-    aborted = ("abort", b"") in w.client_transport.events
-    assert aborted is not reading
+        aborted = ("abort", b"") in w.client_transport.events
+        stalled = (step + 1) * CLOSE_GRACE_S >= CLOSE_STALL_S
+        assert aborted is (stalled and not reading), step
