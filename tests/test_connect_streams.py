@@ -190,27 +190,20 @@ async def test_route_removal_ends_the_stream_with_the_frame(
     await bystander.close()
 
 
-@pytest.mark.parametrize("mid_envelope", [True, False], ids=["mid-envelope", "between-envelopes"])
-async def test_a_stream_without_a_length_cut_by_a_fin_ends_with_the_frame(
-    tmp_path: Path, mid_envelope: bool
-) -> None:
-    """Found by review: a Connect stream whose body runs to the close (an HTTP/1.0-style app,
-    Python's http.server) was taken as complete at the upstream's FIN: its held half-envelope
-    went out in a body that looked whole, and no end-of-stream frame (SPEC §3)."""
-    first = envelope({"event": {"start": {"pid": 1}}})
-    second = envelope({"event": {"data": {"stdout": "aGk="}}})
+async def close_delimited_stream(tmp_path: Path, writes: list[bytes]) -> Response:
+    """What a client gets of a Connect stream whose app answers with no length (the body runs
+    to the close, an HTTP/1.0-style app), writes ``writes`` 50 ms apart, then closes."""
 
     async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
-            b"Connection: close\r\n\r\n" + first
+            b"Connection: close\r\n\r\n"
         )
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(second[:9] if mid_envelope else second)  # then the app dies
-        await writer.drain()
-        await asyncio.sleep(0.05)
+        for data in writes:
+            writer.write(data)
+            await writer.drain()
+            await asyncio.sleep(0.05)
         writer.close()
 
     async with (
@@ -223,6 +216,22 @@ async def test_a_stream_without_a_length_cut_by_a_fin_ends_with_the_frame(
         )
         response = await conn.read_response(timeout=5)
         await conn.close()
+    return response
+
+
+@pytest.mark.parametrize("mid_envelope", [True, False], ids=["mid-envelope", "between-envelopes"])
+async def test_a_stream_without_a_length_cut_by_a_fin_ends_with_the_frame(
+    tmp_path: Path, mid_envelope: bool
+) -> None:
+    """Found by review: a Connect stream whose body runs to the close (an HTTP/1.0-style app,
+    Python's http.server) was taken as complete at the upstream's FIN: its held half-envelope
+    went out in a body that looked whole, and no end-of-stream frame (SPEC §3)."""
+    first = envelope({"event": {"start": {"pid": 1}}})
+    second = envelope({"event": {"data": {"stdout": "aGk="}}})
+    response = await close_delimited_stream(
+        tmp_path,
+        [first, second[:9] if mid_envelope else second],  # then the app dies
+    )
     assert response.complete
     events = decode(response.body)  # every envelope whole
     assert events[0] == (0, {"event": {"start": {"pid": 1}}})
@@ -236,26 +245,6 @@ async def test_a_stream_no_longer_followed_ends_at_the_fin(tmp_path: Path) -> No
     relay stops following them, so never sees the end envelope; such a stream's FIN is its end,
     taken on trust as before, not a cut."""
     body = b"\0\0\0\0\0" * (MAX_ENVELOPES_PER_READ * 3) + envelope({}, flags=2)
-
-    async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
-            b"Connection: close\r\n\r\n" + body
-        )
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.close()
-
-    async with (
-        scripted_upstream(app) as port,
-        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay_,
-    ):
-        conn = await Connection.open(relay_.port)
-        await conn.send(
-            request_bytes("POST", "/process.Process/Start", f"{port}-sbx.{DOMAIN}", body=b"{}")
-        )
-        response = await conn.read_response(timeout=5)
-        await conn.close()
+    response = await close_delimited_stream(tmp_path, [body])
     assert response.complete
     assert response.body == body

@@ -17,14 +17,18 @@ import os
 import socket
 import struct
 import termios
+from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import pytest
 
 from relay import closing
 from relay.flow import PAUSE_UPSTREAM_FULL
 from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
+
+if TYPE_CHECKING:
+    from relay.server import ClientConnection
 
 HS_RESP = (
     b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -41,6 +45,32 @@ def masked_binary(payload: bytes) -> bytes:
 def unsent(sock: socket.socket) -> int:  # bytes the kernel has not had acknowledged yet
     queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
     return queued
+
+
+async def paused_websocket(
+    relay_port: int, app_port: int, conn_of: Callable[[], ClientConnection]
+) -> tuple[asyncio.StreamWriter, int]:
+    """A WebSocket through relay, fed frames until relay stops reading it (its upstream full);
+    the client's writer and the bytes it sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay_port)
+    writer.write(
+        f"GET /ws HTTP/1.1\r\nHost: {app_port}-sbx.{DOMAIN}\r\nConnection: Upgrade\r\n"
+        "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 101")
+    conn = conn_of()
+    frame = masked_binary(b"z" * 65000)
+    sent = 0
+    for _ in range(2000):  # bounded: until relay stops reading the client
+        writer.write(frame)
+        sent += len(frame)
+        await asyncio.sleep(0.002)
+        if conn._paused & PAUSE_UPSTREAM_FULL:
+            break
+    assert conn._paused & PAUSE_UPSTREAM_FULL
+    return writer, sent
 
 
 async def test_client_fin_ends_a_splice_relay_is_not_reading(
@@ -68,23 +98,9 @@ async def test_client_fin_ends_a_splice_relay_is_not_reading(
         scripted_upstream(hung_app) as port,
         running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
     ):
-        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
-        writer.write(
-            f"GET /ws HTTP/1.1\r\nHost: {port}-sbx.{DOMAIN}\r\nConnection: Upgrade\r\n"
-            "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
-            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+        writer, _ = await paused_websocket(
+            relay.port, port, lambda: next(iter(relay.relay.connections))
         )
-        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
-            b"HTTP/1.1 101"
-        )
-        (conn,) = relay.relay.connections
-        frame = masked_binary(b"z" * 65000)
-        for _ in range(2000):  # bounded: until relay stops reading the client
-            writer.write(frame)
-            await asyncio.sleep(0.002)
-            if conn._paused & PAUSE_UPSTREAM_FULL:
-                break
-        assert conn._paused & PAUSE_UPSTREAM_FULL
         sock = writer.get_extra_info("socket")
         # Everything the client sent reached relay's socket, so its FIN will too.
         await until(lambda: writer.transport.get_write_buffer_size() == 0 and unsent(sock) == 0)
@@ -133,25 +149,10 @@ async def test_a_slow_upstream_gets_everything_sent_before_the_client_fin(tmp_pa
         scripted_upstream(slow_app) as port,
         running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
     ):
-        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
-        writer.write(
-            f"GET /ws HTTP/1.1\r\nHost: {port}-sbx.{DOMAIN}\r\nConnection: Upgrade\r\n"
-            "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
-            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+        writer, sent = await paused_websocket(
+            relay.port, port, lambda: next(iter(relay.relay.connections))
         )
-        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
-            b"HTTP/1.1 101"
-        )
-        (conn,) = relay.relay.connections
         frame = masked_binary(b"z" * 65000)
-        sent = 0
-        for _ in range(2000):
-            writer.write(frame)
-            sent += len(frame)
-            await asyncio.sleep(0.002)
-            if conn._paused & PAUSE_UPSTREAM_FULL:
-                break
-        assert conn._paused & PAUSE_UPSTREAM_FULL
         for _ in range(3):  # some more, sitting unread in relay's socket
             writer.write(frame)
             sent += len(frame)
