@@ -94,6 +94,9 @@ class FakeTransport:
     def is_closing(self) -> bool:
         return self.closed
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # every write is taken at once (relay.closing reads it at a close)
+
     def close(self) -> None:
         self.closed = True
 
