@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_CONFIG
+    if args.command != "serve":
+        from relay.systemd import release_signals  # noqa: PLC0415
+
+        release_signals()  # held at import when argv named serve (a wrapper's main([...]))
     handler = {"serve": _serve, "check-config": _check_config, "sign-url": _sign_url}
     handler["routes"] = routes_cli.run
     try:

@@ -16,6 +16,7 @@ their slots and sets them (as ``relay.respond.Respond`` does for an exchange).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import select
@@ -64,6 +65,7 @@ class Closing:
         "_paused",
         "_refusal",
         "active",
+        "below",
         "closing",
         "parser",
         "peer",
@@ -91,7 +93,8 @@ class Closing:
     _lingering: float
     _close_left: int  # bytes relay still had to write at the close, or at the last progress
     _close_moved: float  # relay.timers.now() then
-    _fin_progress: tuple[int, float]  # a gone WebSocket client's bytes passed on, and when
+    below: asyncio.Transport | None  # a TLS connection's TCP transport (relay.handshake)
+    _fin_progress: tuple[int, float]  # what a gone WebSocket client's upstream took, and when
     _client_eof: bool
     tls: bool
 
@@ -173,7 +176,7 @@ class Closing:
             self.relay.timers.resumed(self)
             transport.resume_reading()
         else:
-            self._close_left = transport.get_write_buffer_size()
+            self._close_left = self._unwritten(transport)
             self._close_moved = self.relay.timers.now()
             transport.close()
         self.relay.timers.close_deadline(self)
@@ -202,7 +205,7 @@ class Closing:
         or a lingering one that sends nothing, is cut off."""
         transport = self.transport
         if transport is not None and not self._lingering:
-            left = transport.get_write_buffer_size()
+            left = self._unwritten(transport)
             now = self.relay.timers.now()
             if 0 < left < self._close_left:
                 self._close_left, self._close_moved = left, now
@@ -215,6 +218,15 @@ class Closing:
                 self.relay.timers.close_deadline(self)
                 return
         self.abort()
+
+    def _unwritten(self, transport: asyncio.Transport) -> int:
+        """What relay wrote that the client has not taken: over TLS also what the TLS layer
+        already encrypted into the TCP transport below, which its own size leaves out (found by
+        review: a TLS reader pausing 8 s was cut off at CLOSE_GRACE_S)."""
+        size = transport.get_write_buffer_size()
+        # And what the kernel still queues for the client: a TLS connection stays open for its
+        # closing handshake, and a cut there (an abort) resets what the kernel had not sent yet.
+        return size + _unsent(self.below) if self.below is not None else size
 
     def close_now(self) -> None:
         """Close without lingering (relay is stopping)."""
@@ -266,10 +278,14 @@ class Closing:
         unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
         if not unread:
             return False
-        now = time.monotonic()
-        passed, since = self._fin_progress
-        if splice.bytes_in != passed:
-            self._fin_progress = (splice.bytes_in, now)
+        # What the upstream took: what relay passed on, less what still waits in its buffer.
+        # (Not what relay passed on alone, which cannot move while the client is paused: the
+        # next review found a splice cut while its upstream read steadily.)
+        taken = splice.bytes_in - _unsent(splice.upstream.transport)
+        now = self.relay.timers.now()
+        before, since = self._fin_progress
+        if taken != before:
+            self._fin_progress = (taken, now)
             return True
         return now - since < SPLICE_FIN_WAIT_S
 
@@ -335,3 +351,17 @@ class Closing:
             return
         self.parser = None
         self._refusal = reject
+
+
+def _unsent(transport: asyncio.Transport | None) -> int:
+    """Bytes written to ``transport`` that its peer has not taken: in its buffer, and in the
+    kernel's send queue (TIOCOUTQ: unsent or not yet acknowledged). The user-space buffer
+    alone moves in bursts, when the kernel's queue has room for a third of it again."""
+    if transport is None:
+        return 0
+    queued = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    return queued

@@ -43,6 +43,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
+from relay.closing import CLOSE_STALL_S
 from relay.server import ClientConnection
 
 if TYPE_CHECKING:
@@ -87,6 +88,9 @@ class TlsAccept(asyncio.Protocol):
             # SPEC §5a: header_timeout_s runs from accept, so it bounds the handshake too
             # (asyncio's default is 60 s).
             ssl_handshake_timeout=relay.config.listen.header_timeout_s,
+            # A closing connection's last answer may take a paused reader up to CLOSE_STALL_S
+            # without progress (relay.closing); the TLS layer's own 30 s total cut it first.
+            ssl_shutdown_timeout=CLOSE_STALL_S,
         )
         self._raw, self._start = raw, start
         relay.handshakes.add(self)
@@ -133,6 +137,7 @@ class TlsAccept(asyncio.Protocol):
                 self._raw.abort()
             return
         conn = ClientConnection(self.relay, tls=True)
+        conn.below = self._raw  # what the TLS layer already encrypted waits there (relay.closing)
         self.conn = conn
         transport.set_protocol(conn)
         conn.connection_made(transport)

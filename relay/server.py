@@ -101,6 +101,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._lingering = 0.0  # time.monotonic() when a lingering close began (close())
         self._close_left = 0
         self._close_moved = 0.0
+        self.below: asyncio.Transport | None = None
         self._fin_progress = (-1, 0.0)
         self._moved = False  # llhttp delivered a head, body bytes or an end in this feed
         self._stalled = 0  # bytes fed since llhttp last delivered any of those

@@ -136,3 +136,14 @@ def held() -> list[int]:
     out = _held[:]
     _held.clear()
     return out
+
+
+def release_signals() -> None:
+    """Not serving after all (``main`` was given another command than argv named): the default
+    actions again, and what came meanwhile delivered under them (found by review)."""
+    if signal.getsignal(signal.SIGHUP) is not _remember:
+        return
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    for early in held():
+        signal.raise_signal(early)

@@ -17,13 +17,14 @@ import os
 import socket
 import struct
 import termios
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import pytest
 
-from relay import closing
+from relay import closing, timers
 from relay.flow import PAUSE_UPSTREAM_FULL
 from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
 
@@ -166,3 +167,59 @@ async def test_a_slow_upstream_gets_everything_sent_before_the_client_fin(tmp_pa
         writer.close()
     assert len(received) == sent, f"upstream got {len(received)} of {sent} bytes"
     assert bytes(received).endswith(close)
+
+
+async def test_a_steady_slow_upstream_gets_everything_after_the_client_fin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the next review: progress was measured by what relay read from the client,
+    which cannot move while relay is paused, however steadily the upstream took relay's
+    buffer; now by what the upstream took (relay's buffer and the kernel's queue to it). A
+    200 KB/s upstream, a wait cut to 3 s and the peer check to 0.25 s (~25 s)."""
+    monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 3.0)
+    monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)
+    received = bytearray()
+    done = asyncio.Event()
+    gaps: list[float] = []
+
+    async def steady_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HS_RESP)
+        last = time.monotonic()
+        try:
+            for _ in range(4000):  # bounded; reads a little every 50 ms: it never stops taking
+                chunk = await asyncio.wait_for(reader.read(10000), 8)
+                if not chunk:
+                    break
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                received.extend(chunk)
+                await asyncio.sleep(0.05)
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            done.set()
+            writer.close()
+
+    async with (
+        scripted_upstream(steady_app) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
+    ):
+        writer, sent = await paused_websocket(
+            relay.port, port, lambda: next(iter(relay.relay.connections))
+        )
+        frame = masked_binary(b"z" * 65000)
+        for _ in range(3):
+            writer.write(frame)
+            sent += len(frame)
+        close = masked_close()
+        writer.write(close)
+        sent += len(close)
+        sock = writer.get_extra_info("socket")
+        await until(lambda: writer.transport.get_write_buffer_size() == 0 and unsent(sock) == 0)
+        writer.write_eof()
+        await asyncio.wait_for(done.wait(), 200)
+        writer.close()
+    assert max(gaps[1:], default=0) < 0.5  # the upstream took some at least every 0.5 s
+    assert len(received) == sent, f"upstream got {len(received)} of {sent} bytes"
