@@ -83,9 +83,24 @@ def test_a_sigterm_while_starting_is_a_stop(tmp_path: Path, workers: int) -> Non
         _stop(proc)
 
 
-def test_other_commands_keep_the_default_signal_actions(tmp_path: Path) -> None:
-    """Found by review: signals were held for every command, and only serve's event loop takes
-    them, so a `relay routes put` waiting for the routes file's lock ignored SIGTERM."""
+WRAPPER = (
+    "import sys\nfrom relay.__main__ import main\n"
+    "sys.exit(main(['routes', 'put', sys.argv[2], '--config', sys.argv[3]]))\n"
+)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        pytest.param(["-m", "relay", "routes", "put"], id="routes-put"),
+        # the hold follows argv, which names serve here, while main() is given another command
+        pytest.param(["-c", WRAPPER, "serve"], id="serve-argv-other-command"),
+    ],
+)
+def test_other_commands_keep_the_default_signal_actions(tmp_path: Path, launch: list[str]) -> None:
+    """Found by review, twice: signals were held for every command, and only serve's event loop
+    takes them, so a `relay routes put` waiting for the routes file's lock ignored SIGTERM; then
+    so did one run by a wrapper's main([...]) from a process whose argv named serve."""
     config = tmp_path / "relay.toml"
     config.write_text('[routes]\nsource = "file"\nfile = "routes.json"\n')
     (tmp_path / "routes.json").write_text('{"routes": []}')
@@ -93,40 +108,9 @@ def test_other_commands_keep_the_default_signal_actions(tmp_path: Path) -> None:
     one.write_text(json.dumps(route("aaa", insecure=True)))
     lock = os.open(tmp_path / ".routes.json.lock", os.O_RDONLY | os.O_CREAT, 0o644)
     fcntl.flock(lock, fcntl.LOCK_EX)  # the put waits for it
+    tail = ["--config", str(config)] if launch[0] == "-m" else [str(config)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "routes", "put", str(one), "--config", str(config)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(1.0)
-        assert proc.poll() is None
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=5) == -signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(lock)
-
-
-def test_a_command_other_than_serve_from_a_serve_argv_keeps_the_defaults(tmp_path: Path) -> None:
-    """Found by review: the hold follows argv, which names serve, while main() may be given
-    another command (a wrapper's main([...])): that one held SIGTERM for good."""
-    script = (
-        "import sys\nfrom relay.__main__ import main\n"
-        "sys.exit(main(['routes', 'put', sys.argv[2], '--config', sys.argv[3]]))\n"
-    )
-    config = tmp_path / "relay.toml"
-    config.write_text('[routes]\nsource = "file"\nfile = "routes.json"\n')
-    (tmp_path / "routes.json").write_text('{"routes": []}')
-    one = tmp_path / "one.json"
-    one.write_text(json.dumps(route("aaa", insecure=True)))
-    lock = os.open(tmp_path / ".routes.json.lock", os.O_RDONLY | os.O_CREAT, 0o644)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # the put waits for it
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, "serve", str(one), str(config)],
+        [sys.executable, *launch, str(one), *tail],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

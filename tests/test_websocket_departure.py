@@ -114,88 +114,62 @@ async def test_client_fin_ends_a_splice_relay_is_not_reading(
         assert not relay.relay.connections
 
 
+async def close_and_half_close(writer: asyncio.StreamWriter) -> int:
+    """Three more frames, sitting unread in relay's socket, the client's Close frame, then its
+    FIN once all of it reached relay's socket; the bytes sent."""
+    frame = masked_binary(b"z" * 65000)
+    data = frame * 3 + masked_close()
+    writer.write(data)
+    sock = writer.get_extra_info("socket")
+    await until(lambda: writer.transport.get_write_buffer_size() == 0 and unsent(sock) == 0)
+    writer.write_eof()  # the client's Close is sent: it half-closes
+    return len(data)
+
+
 def masked_close() -> bytes:
     key = os.urandom(4)
     payload = struct.pack(">H", 1000)
     return bytes([0x88, 0x80 | 2]) + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
 
 
-async def test_a_slow_upstream_gets_everything_sent_before_the_client_fin(tmp_path: Path) -> None:
-    """Found by review of the fix above: the peer check cut the splice at the FIN while relay's
-    socket still held frames the client sent before it, its Close frame among them; they are
-    passed on while the upstream takes some (relay.closing.SPLICE_FIN_WAIT_S)."""
-    received = bytearray()
-    done = asyncio.Event()
-
-    async def slow_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(HS_RESP)
-        transport = cast("asyncio.Transport", writer.transport)
-        transport.pause_reading()
-        await asyncio.sleep(4.5)  # slow for a while (longer than PEER_CHECK_S), then reads all
-        transport.resume_reading()
-        try:
-            while True:
-                chunk = await asyncio.wait_for(reader.read(1 << 20), 8)
-                if not chunk:
-                    break
-                received.extend(chunk)
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            done.set()
-            writer.close()
-
-    async with (
-        scripted_upstream(slow_app) as port,
-        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
-    ):
-        writer, sent = await paused_websocket(
-            relay.port, port, lambda: next(iter(relay.relay.connections))
-        )
-        frame = masked_binary(b"z" * 65000)
-        for _ in range(3):  # some more, sitting unread in relay's socket
-            writer.write(frame)
-            sent += len(frame)
-        close = masked_close()
-        writer.write(close)
-        sent += len(close)
-        sock = writer.get_extra_info("socket")
-        await until(lambda: writer.transport.get_write_buffer_size() == 0 and unsent(sock) == 0)
-        writer.write_eof()  # the client's Close is sent: it half-closes
-        await asyncio.wait_for(done.wait(), 20)
-        writer.close()
-    assert len(received) == sent, f"upstream got {len(received)} of {sent} bytes"
-    assert bytes(received).endswith(close)
-
-
-async def test_a_steady_slow_upstream_gets_everything_after_the_client_fin(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("upstream", ["pauses-then-reads", "steady-and-slow"])
+async def test_the_upstream_gets_everything_sent_before_the_client_fin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, upstream: str
 ) -> None:
-    """Found by the next review: progress was measured by what relay read from the client,
-    which cannot move while relay is paused, however steadily the upstream took relay's
-    buffer; now by what the upstream took (relay's buffer and the kernel's queue to it). A
-    200 KB/s upstream, a wait cut to 3 s and the peer check to 0.25 s (~25 s)."""
-    monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 3.0)
-    monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)
+    """Found by reviews of the fix above: the peer check cut the splice at the client's FIN
+    while relay's socket still held frames sent before it, its Close frame among them; they are
+    passed on while the upstream takes some (relay.closing.SPLICE_FIN_WAIT_S). Then: progress
+    was measured by what relay read from the paused client, which cannot move, so a steady
+    200 KB/s upstream was cut (there the wait is cut to 3 s and the peer check to 0.25 s;
+    ~25 s); now by what the upstream took, relay's buffer and the kernel's queue to it."""
+    steady = upstream == "steady-and-slow"
+    if steady:
+        monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 3.0)
+        monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)
     received = bytearray()
     done = asyncio.Event()
     gaps: list[float] = []
 
-    async def steady_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(HS_RESP)
+        if not steady:
+            transport = cast("asyncio.Transport", writer.transport)
+            transport.pause_reading()
+            await asyncio.sleep(4.5)  # slower than PEER_CHECK_S for a while, then reads all
+            transport.resume_reading()
         last = time.monotonic()
         try:
-            for _ in range(4000):  # bounded; reads a little every 50 ms: it never stops taking
-                chunk = await asyncio.wait_for(reader.read(10000), 8)
+            for _ in range(4000):  # bounded; steady: a little every 50 ms, never stopping
+                chunk = await asyncio.wait_for(reader.read(10000 if steady else 1 << 20), 8)
                 if not chunk:
                     break
                 now = time.monotonic()
                 gaps.append(now - last)
                 last = now
                 received.extend(chunk)
-                await asyncio.sleep(0.05)
+                if steady:
+                    await asyncio.sleep(0.05)
         except (TimeoutError, ConnectionError):
             pass
         finally:
@@ -203,23 +177,16 @@ async def test_a_steady_slow_upstream_gets_everything_after_the_client_fin(
             writer.close()
 
     async with (
-        scripted_upstream(steady_app) as port,
+        scripted_upstream(app) as port,
         running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
     ):
         writer, sent = await paused_websocket(
             relay.port, port, lambda: next(iter(relay.relay.connections))
         )
-        frame = masked_binary(b"z" * 65000)
-        for _ in range(3):
-            writer.write(frame)
-            sent += len(frame)
-        close = masked_close()
-        writer.write(close)
-        sent += len(close)
-        sock = writer.get_extra_info("socket")
-        await until(lambda: writer.transport.get_write_buffer_size() == 0 and unsent(sock) == 0)
-        writer.write_eof()
+        sent += await close_and_half_close(writer)
         await asyncio.wait_for(done.wait(), 200)
         writer.close()
-    assert max(gaps[1:], default=0) < 0.5  # the upstream took some at least every 0.5 s
+    if steady:
+        assert max(gaps[1:], default=0) < 0.5  # the upstream took some at least every 0.5 s
     assert len(received) == sent, f"upstream got {len(received)} of {sent} bytes"
+    assert received[-8] == 0x88  # its Close frame (2-byte head, 4-byte mask, 2-byte code) last
