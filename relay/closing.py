@@ -275,8 +275,7 @@ class Closing:
         splice = self.splice
         if splice is None or revents & (select.POLLERR | select.POLLHUP):
             return False
-        unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-        if not unread:
+        if not _ioctl_count(fd, termios.FIONREAD):  # nothing left unread
             return False
         # What the upstream took: what relay passed on, less what still waits in its buffer.
         # (Not what relay passed on alone, which cannot move while the client is paused: the
@@ -363,5 +362,11 @@ def _unsent(transport: asyncio.Transport | None) -> int:
     sock = transport.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
-            queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            queued += _ioctl_count(sock.fileno(), termios.TIOCOUTQ)
     return queued
+
+
+def _ioctl_count(fd: int, request: int) -> int:
+    """A socket's byte count the kernel keeps: FIONREAD (unread), TIOCOUTQ (not yet taken)."""
+    count: int = struct.unpack("i", fcntl.ioctl(fd, request, b"\0\0\0\0"))[0]
+    return count

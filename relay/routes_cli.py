@@ -149,11 +149,7 @@ def _put(config: Config, routes: list[dict[str, Any]], maxlen: int) -> int:
         server = _redis(config, lambda c, prefix: _redis_put(c, prefix, pairs, maxlen))
         where = f"redis {server}"
     else:
-        # Through a symlink to the file it names: renamed over, the link became a file of its
-        # own, which relays reading the real one never saw (found by review: a delete kept
-        # serving); and one lock for both ways to name it.
-        path = Path(os.path.realpath(config.path(config.routes.file)))
-        with _file_locked(path):
+        with _routes_file(config) as path:
             existing = _file_items(path, missing_ok=True)
             new_ids = {r["sandbox_id"] for r in routes}
             kept = [
@@ -177,11 +173,7 @@ def _delete(config: Config, sandbox_id: str, maxlen: int) -> int:
 
         _redis(config, go)
     else:
-        # Through a symlink to the file it names: renamed over, the link became a file of its
-        # own, which relays reading the real one never saw (found by review: a delete kept
-        # serving); and one lock for both ways to name it.
-        path = Path(os.path.realpath(config.path(config.routes.file)))
-        with _file_locked(path):
+        with _routes_file(config) as path:
             items = _file_items(path, missing_ok=False)
             kept = [
                 r for r in items if not (isinstance(r, dict) and r.get("sandbox_id") == sandbox_id)
@@ -228,12 +220,17 @@ def _list(config: Config) -> int:
 
 
 @contextlib.contextmanager
-def _file_locked(path: Path) -> Iterator[None]:
-    """One ``put`` or ``delete`` at a time per routes file: each reads the file, changes it and
-    renames a new one over it, so two at once lost one's change, and a delete could come back
-    with its credentials (found by review: 8 puts at once left 4-5 routes). The lock is a file
-    of its own beside it (``.<name>.lock``; the routes file itself is renamed over); relay
-    itself never takes it, as each rename is atomic."""
+def _routes_file(config: Config) -> Iterator[Path]:
+    """The routes file, locked: one ``put`` or ``delete`` at a time per routes file. Each reads
+    the file, changes it and renames a new one over it, so two at once lost one's change, and a
+    delete could come back with its credentials (found by review: 8 puts at once left 4-5
+    routes). The lock is a file of its own beside it (``.<name>.lock``; the routes file itself
+    is renamed over); relay itself never takes it, as each rename is atomic.
+
+    The path is the file a symlink names: renamed over, the link became a file of its own,
+    which relays reading the real one never saw (found by review: a delete kept serving), and
+    the two ways to name it took two locks."""
+    path = Path(os.path.realpath(config.path(config.routes.file)))
     lock = path.with_name(f".{path.name}.lock")
     try:
         # Read-only: flock needs no more, and whoever else may write the routes file (the
@@ -250,7 +247,7 @@ def _file_locked(path: Path) -> Iterator[None]:
         os.fchown(fd, -1, st.st_gid)  # not root: its group, where the caller is in it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # waits for the other writer (a read-modify-write)
-        yield
+        yield path
     finally:
         os.close(fd)  # releases the lock
 

@@ -151,16 +151,17 @@ class FileFeed:
             self.load()
 
     async def run(self) -> None:
-        poll: Callable[[], object] = (
-            self.load
-        )  # the first read too (found by review: a bug there ended the feed)
+        self._guarded(self.load)
         while True:
-            try:
-                poll()
-            except Exception:  # a bug: logged, and the polls go on (as the Redis feed's do)
-                # Before, the task ended, and with it every later reload of the file, while
-                # /readyz stayed 200 (found by review). That version counts as seen (a bug
-                # would strike again, and log, at every poll); the next one is read.
-                log.exception("route feed: unexpected error reading %s", self.path)
-            poll = self.poll
             await asyncio.sleep(self.poll_interval_s)
+            self._guarded(self.poll)
+
+    def _guarded(self, read: Callable[[], object]) -> None:
+        """A read of the file, its first included: an unexpected error (a bug) is logged and
+        the polls go on, as the Redis feed's do. Before, the task ended, and with it every
+        later reload of the file, while /readyz stayed 200 (found by review). That version
+        counts as seen (a bug would strike again, and log, at every poll); the next is read."""
+        try:
+            read()
+        except Exception:
+            log.exception("route feed: unexpected error reading %s", self.path)
