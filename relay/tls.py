@@ -11,19 +11,34 @@ frame pitfall noted for SDK 2.63 (``ENVD_API_FILE_DOWNLOAD_HTTP_VERSION``).
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
-from relay.tlscheck import CertInfo, check_files
+from relay.tlscheck import CertInfo, check_pair, read_pair
 
 
-def server_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """A server context for one certificate chain; raises ``ssl.SSLError``/``OSError``."""
+def server_context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
+    """A server context for one certificate chain and key, given as the bytes that were
+    checked; raises ``ssl.SSLError``/``OSError``.
+
+    ``load_cert_chain`` takes only paths, and reading the files again would load whatever a
+    renewal wrote since the check (an unchecked certificate, or a new certificate with the old
+    key; found by review). So OpenSSL reads the same bytes from anonymous memory files, which
+    never touch a disk (the key is a secret).
+    """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
-    ctx.load_cert_chain(cert_file, key_file)
+    fds = [os.memfd_create(name, os.MFD_CLOEXEC) for name in ("relay-tls-cert", "relay-tls-key")]
+    try:
+        for fd, data in zip(fds, pem, strict=True):
+            os.write(fd, data)  # a memfd takes a whole write
+        ctx.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+    finally:
+        for fd in fds:
+            os.close(fd)
     return ctx
 
 
@@ -46,14 +61,15 @@ class ReloadableContext:
         pair its siblings serve); reloads read ``cert_file`` and ``key_file``."""
         self.cert_file = cert_file
         self.key_file = key_file
-        cert, key = (str(p) for p in load_from) if load_from else (cert_file, key_file)
-        pem = _read_pair(cert, key)
-        self.info: CertInfo = check_files(Path(cert), Path(key), domains)
-        self.current = server_context(cert, key)
+        cert, key = load_from if load_from else (Path(cert_file), Path(key_file))
+        # Read once: the bytes checked are the bytes served (see server_context).
+        pem = read_pair(cert, key)
+        self.info: CertInfo = check_pair(*pem, cert, key, domains)
+        self.current = server_context(pem)
         # The files' bytes as they were loaded, for a worker that its supervisor restarts
         # (relay.worker_config.save): the pair may be rewritten in place later.
         self.pem = pem
-        self.listener = server_context(cert, key)
+        self.listener = server_context(pem)
         self.listener.sni_callback = self._select
 
     def _select(self, sslobj: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
@@ -72,12 +88,8 @@ class ReloadableContext:
         """
         cert_file = cert_file or self.cert_file
         key_file = key_file or self.key_file
-        pem = _read_pair(cert_file, key_file)
-        info = check_files(Path(cert_file), Path(key_file), domains)
-        self.current = server_context(cert_file, key_file)
+        pem = read_pair(Path(cert_file), Path(key_file))
+        info = check_pair(*pem, Path(cert_file), Path(key_file), domains)
+        self.current = server_context(pem)
         self.cert_file, self.key_file, self.info, self.pem = cert_file, key_file, info, pem
         return info
-
-
-def _read_pair(cert_file: str, key_file: str) -> tuple[bytes, bytes]:
-    return Path(cert_file).read_bytes(), Path(key_file).read_bytes()

@@ -120,6 +120,11 @@ def info(cert: x509.Certificate) -> CertInfo:
 
 def load_files(cert_file: Path, key_file: Path) -> tuple[x509.Certificate, PrivateKeyTypes]:
     """The leaf certificate (first in the chain file) and the private key."""
+    return parse_pair(*read_pair(cert_file, key_file), cert_file, key_file)
+
+
+def read_pair(cert_file: Path, key_file: Path) -> tuple[bytes, bytes]:
+    """The two files' bytes, each read once."""
     try:
         cert_pem = cert_file.read_bytes()
     except OSError as exc:
@@ -128,6 +133,13 @@ def load_files(cert_file: Path, key_file: Path) -> tuple[x509.Certificate, Priva
         key_pem = key_file.read_bytes()
     except OSError as exc:
         raise TLSCheckError(f"listen.tls_key: cannot read {key_file}: {exc.strerror}") from None
+    return cert_pem, key_pem
+
+
+def parse_pair(
+    cert_pem: bytes, key_pem: bytes, cert_file: Path, key_file: Path
+) -> tuple[x509.Certificate, PrivateKeyTypes]:
+    """The leaf certificate and the private key from the files' bytes (the paths name them)."""
     try:
         chain = x509.load_pem_x509_certificates(cert_pem)
     except ValueError:
@@ -161,7 +173,19 @@ def check_files(
     now: datetime.datetime | None = None,
 ) -> CertInfo:
     """Load and check a pair; raises :class:`TLSCheckError` with every problem found."""
-    cert, key = load_files(cert_file, key_file)
+    return check_pair(*read_pair(cert_file, key_file), cert_file, key_file, domains, now)
+
+
+def check_pair(
+    cert_pem: bytes,
+    key_pem: bytes,
+    cert_file: Path,
+    key_file: Path,
+    domains: Sequence[str],
+    now: datetime.datetime | None = None,
+) -> CertInfo:
+    """:func:`check_files` on bytes already read (the bytes that will be served)."""
+    cert, key = parse_pair(cert_pem, key_pem, cert_file, key_file)
     found = problems(cert, key, domains, now or datetime.datetime.now(datetime.UTC))
     if found:
         raise TLSCheckError("; ".join(found))
