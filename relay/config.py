@@ -11,6 +11,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -284,6 +285,12 @@ def validate(config: Config) -> None:
                 raise ConfigError(f"{key}[{i}]: not a CIDR: {cidr!r}") from None
     _check(split_address(config.admin.address) is not None, "admin.address", "bad address")
     _check(bool(config.routing.domains), "routing.domains", "at least one domain")
+    for i, domain in enumerate(config.routing.domains):
+        _check(
+            is_dns_name(domain),
+            f"routing.domains[{i}]",
+            f"not a DNS name: {domain!r} (no scheme, port or wildcard)",
+        )
     _check(routes.source in ("file", "redis"), "routes.source", 'must be "file" or "redis"')
     if routes.source == "redis":
         _check(
@@ -391,6 +398,20 @@ def _check_redis_secrets(routes: Routes) -> None:
         "routes.redis_ca_file",
         "needs a rediss:// URL",
     )
+
+
+# A DNS label as a Host can carry it (RFC 1123 §2.1; "_" tolerated, as resolvers do).
+_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\Z")
+
+
+def is_dns_name(domain: str) -> bool:
+    """A routing domain a Host can end with: ASCII labels, in any case, one root dot allowed.
+
+    Anything else (a port, a ``*.`` wildcard, a scheme, an empty name) matched no Host, and
+    relay answered every Host-form request 404 "No sandbox in the request" (found by review).
+    """
+    name = domain.lower().removesuffix(".")
+    return 0 < len(name) <= 253 and all(_LABEL.match(label) for label in name.split("."))
 
 
 def split_address(address: str) -> tuple[str, int] | None:

@@ -60,6 +60,16 @@ def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -
         ({"management": {"upstream": "https://x"}}, "management.upstream"),
         ({"process": {"workers": 0}}, "process.workers"),
         ({"nosuch": {}}, "nosuch"),
+        # A domain no Host can end with (a port, a wildcard, a scheme, empty): relay started
+        # and answered every Host-form request as if it named no sandbox (found by review).
+        ({"routing": {"domains": ["example.com:443"]}}, "routing.domains[0]"),
+        ({"routing": {"domains": ["ok.test", "*.example.com"]}}, "routing.domains[1]"),
+        ({"routing": {"domains": ["https://example.com"]}}, "routing.domains[0]"),
+        ({"routing": {"domains": [""]}}, "routing.domains[0]"),
+        ({"routing": {"domains": ["."]}}, "routing.domains[0]"),
+        ({"routing": {"domains": ["a..b"]}}, "routing.domains[0]"),
+        ({"routing": {"domains": ["exa mple.com"]}}, "routing.domains[0]"),
+        ({"routing": {"domains": ["b\u00fccher.de"]}}, "routing.domains[0]"),
         ({"listen": []}, "listen"),
     ],
 )
@@ -67,6 +77,11 @@ def test_bad_config_names_the_key(data: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse(data)
     assert str(info.value).startswith(key + ":")
+
+
+def test_domains_in_any_case_and_with_a_root_dot_are_accepted() -> None:
+    config = parse({"routing": {"domains": ["Sandbox.Example.COM.", "e2b-1.local"]}})
+    assert config.settings().domains == ("sandbox.example.com", "e2b-1.local")
 
 
 def test_ints_are_accepted_as_floats() -> None:
