@@ -82,6 +82,7 @@ class Worker:
     status: str = ""
     reload_pending: bool = False  # a SIGHUP came before it was ready: sent once it is
     reloading: bool = False  # sent SIGHUP; READY=1 from it means the reload is done
+    served: bool = False  # said READY=1 since it was started: it may hold exchanges
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -102,6 +103,8 @@ class Supervisor:
         self.stop = asyncio.Event()
         self.all_ready = asyncio.Event()
         self.startup_failed: int | None = None
+        # A worker ended the drain other than by exiting 0 (it crashed, or was killed): exit 1.
+        self.drain_failed = False
         self._sock: socket.socket | None = None
         self._admin: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -145,9 +148,13 @@ class Supervisor:
             self.notifier.ready(self._status())
             log.info("all %d workers ready", len(self.workers))
             await self.stop.wait()
-        code = self.startup_failed if self.startup_failed is not None else 0
         await self._shutdown()
-        return code
+        if self.startup_failed is not None:
+            return self.startup_failed
+        # SPEC §7's exit 0 is for a drain that ran its course. A worker that crashed or was
+        # killed in it cut its exchanges without one; a single relay would exit non-zero
+        # then, and systemd should record the stop as failed (found by review: it was 0).
+        return 1 if self.drain_failed else 0
 
     async def _shutdown(self) -> None:
         self.draining = True
@@ -202,7 +209,7 @@ class Supervisor:
             stdin=asyncio.subprocess.DEVNULL,
         )
         worker.started_at = worker.last_ping = time.monotonic()
-        worker.ready = False
+        worker.ready = worker.served = False
         worker.status = "starting"
         log.info("worker %d started: pid %d", worker.index, worker.proc.pid)
         worker.waiter = self._spawn(self._wait_worker(worker, worker.proc))
@@ -219,7 +226,18 @@ class Supervisor:
         if missed:
             self._reloaded()
         if self.draining or self.stop.is_set():
-            log.info("worker %d (pid %d) exited: %s", worker.index, proc.pid, code)
+            # One that never said READY=1 (a stop during its start: our SIGTERM may come before
+            # it holds signals) had nothing to drain.
+            if code == 0 or not worker.served:
+                log.info("worker %d (pid %d) exited: %s", worker.index, proc.pid, code)
+            else:
+                self.drain_failed = True
+                log.error(
+                    "worker %d (pid %d) died during the drain: exit %s",
+                    worker.index,
+                    proc.pid,
+                    code,
+                )
             return
         log.error("worker %d (pid %d) died: exit %s", worker.index, proc.pid, code)
         if not self.all_ready.is_set():
@@ -303,7 +321,7 @@ class Supervisor:
             worker.reloading = False
             self._reloaded()
         elif ready and not worker.ready:
-            worker.ready = True
+            worker.ready = worker.served = True
             log.info("worker %d (pid %s) ready", worker.index, worker.pid)
             if worker.reload_pending:
                 worker.reload_pending = False

@@ -627,3 +627,47 @@ def test_the_restart_delay_is_capped_for_any_count() -> None:
     that restarts the worker died."""
     assert restart_delay(1100) == BACKOFF_MAX_S
     assert restart_delay(10**6) == BACKOFF_MAX_S
+
+
+# -- the exit code of a drain (SPEC §7) ---------------------------------------------------------
+async def test_a_worker_that_dies_during_the_drain_makes_the_exit_code_1(tmp_path: Path) -> None:
+    """SPEC §7's exit 0 is for a drain that ran its course. A worker that dies in it (here
+    SIGKILL, as the OOM killer does) cut its exchanges short without one: a single relay
+    dying so exits non-zero, and systemd should record the stop as failed. It exited 0."""
+
+    async def slow(_request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.Response(text="done")
+
+    app = web.Application()
+    app.router.add_get("/", slow)
+    upstream = TestServer(app, host="127.0.0.1")
+    await upstream.start_server()
+    relay = RelayProcess(
+        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 3}}
+    )
+    relay.start(timeout=20)
+    try:
+        assert relay.proc is not None
+        pids = await _ready_pids(relay, 10)
+        assert pids
+        host = f"{upstream.port}-box.{DOMAIN}"
+        writers = []
+        for _ in range(6):  # over both workers, most likely (SO_REUSEPORT)
+            _, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+            writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            writers.append(writer)
+        await asyncio.sleep(0.3)
+        relay.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        draining = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
+        assert draining  # a worker holding an exchange drains for up to 3 s
+        os.kill(draining[0], signal.SIGKILL)
+        code = await asyncio.to_thread(relay.proc.wait, 15)
+        for writer in writers:
+            writer.close()
+    finally:
+        relay.stop()
+        await upstream.close()
+    assert code == 1, relay.output()
+    assert "exit -9" in relay.output()
