@@ -284,6 +284,7 @@ def validate(config: Config) -> None:
             except ValueError:
                 raise ConfigError(f"{key}[{i}]: not a CIDR: {cidr!r}") from None
     _check(split_address(config.admin.address) is not None, "admin.address", "bad address")
+    _check_distinct_addresses(config)
     _check(bool(config.routing.domains), "routing.domains", "at least one domain")
     for i, domain in enumerate(config.routing.domains):
         _check(
@@ -323,6 +324,37 @@ def validate(config: Config) -> None:
         )
     _check(config.process.workers >= 1, "process.workers", "must be >= 1")
     _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
+
+
+def _check_distinct_addresses(config: Config) -> None:
+    """No two listeners on one address: relay bound the first, then stopped on its own port
+    ("Address already in use", exit 1, so Restart=on-failure looped) and check-config passed
+    it (found by review). A wildcard holds its port for every address of its family; an IPv6
+    listener is v6-only, so ``[::]`` and ``0.0.0.0`` may share one. Port 0 is never shared."""
+    seen: list[tuple[str, str]] = []
+    named = [(f"listen.address[{i}]", a) for i, a in enumerate(config.listen.addresses)]
+    for key, address in [*named, ("admin.address", config.admin.address)]:
+        parsed = split_address(address)
+        assert parsed is not None  # checked before
+        host, port = parsed
+        for other_key, other in seen:
+            other_host, other_port = split_address(other) or ("", 0)
+            _check(
+                port == 0 or port != other_port or not _overlap(host, other_host),
+                key,
+                f"{address} is {other_key} already",
+            )
+        seen.append((key, address))
+
+
+def _overlap(a: str, b: str) -> bool:
+    try:
+        ips = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()  # host names: only the same name is known to clash
+    if ips[0].version != ips[1].version:
+        return False
+    return ips[0] == ips[1] or ips[0].is_unspecified or ips[1].is_unspecified
 
 
 def url_password(url: str) -> str | None:

@@ -84,6 +84,43 @@ def test_domains_in_any_case_and_with_a_root_dot_are_accepted() -> None:
     assert config.settings().domains == ("sandbox.example.com", "e2b-1.local")
 
 
+@pytest.mark.parametrize(
+    ("listen", "admin", "key"),
+    [
+        (["127.0.0.1:8080", "127.0.0.1:8080"], "127.0.0.1:9090", "listen.address[1]"),
+        (["[::1]:8080", "[0:0::1]:8080"], "127.0.0.1:9090", "listen.address[1]"),
+        (["0.0.0.0:8080", "127.0.0.1:8080"], "127.0.0.1:9090", "listen.address[1]"),
+        (["127.0.0.1:8080"], "127.0.0.1:8080", "admin.address"),
+        (["[::]:8080"], "[::1]:8080", "admin.address"),
+    ],
+)
+def test_an_address_used_twice_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], listen: list[str], admin: str, key: str
+) -> None:
+    """Found by review: relay bound the first and then stopped on its own port with exit 1
+    "Address already in use" (so Restart=on-failure looped), and check-config passed it."""
+    with pytest.raises(ConfigError) as info:
+        parse({"listen": {"address": listen}, "admin": {"address": admin}})
+    assert str(info.value).startswith(key + ":")
+    path = tmp_path / "relay.toml"
+    quoted = ", ".join(f'"{a}"' for a in listen)
+    path.write_text(f'[listen]\naddress = [{quoted}]\n[admin]\naddress = "{admin}"\n')
+    assert main(["check-config", "--offline", "--config", str(path)]) == 2
+    assert key in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("listen", "admin"),
+    [
+        (["127.0.0.1:0", "127.0.0.1:0"], "127.0.0.1:0"),  # each gets a port of its own
+        (["127.0.0.1:8080", "127.0.0.2:8080"], "127.0.0.1:9090"),
+        (["0.0.0.0:8080", "[::]:8080"], "127.0.0.1:9090"),  # IPv6 listeners are v6-only
+    ],
+)
+def test_distinct_addresses_are_accepted(listen: list[str], admin: str) -> None:
+    parse({"listen": {"address": listen}, "admin": {"address": admin}})
+
+
 def test_ints_are_accepted_as_floats() -> None:
     config = parse({"listen": {"header_timeout_s": 3}})
     assert config.listen.header_timeout_s == 3.0
