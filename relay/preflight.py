@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from relay.config import Config
 from relay.netlink import resolve_source
-from relay.tlscheck import check_files
+from relay.tls import load_checked
 
 
 def host_checks(config: Config) -> None:
-    """The TLS pair (``relay.tlscheck``) and the upstream source address (``relay.netlink``)."""
+    """The TLS pair (``relay.tlscheck``, then loaded as it will be served: ``relay.tls``)
+    and the upstream source address (``relay.netlink``)."""
     if config.listen.tls_cert:
-        check_files(
+        load_checked(
             config.path(config.listen.tls_cert),
             config.path(config.listen.tls_key),
             config.routing.domains,

@@ -16,7 +16,29 @@ import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
-from relay.tlscheck import CertInfo, check_pair, read_pair
+from relay.tlscheck import CertInfo, TLSCheckError, check_pair, read_pair
+
+
+def load_checked(
+    cert_file: Path, key_file: Path, domains: Sequence[str]
+) -> tuple[CertInfo, tuple[bytes, bytes], ssl.SSLContext]:
+    """Read the pair once, check it (:mod:`relay.tlscheck`) and load it as OpenSSL will serve
+    it; every refusal is a :class:`~relay.tlscheck.TLSCheckError` naming the key.
+
+    OpenSSL refuses some pairs the checks pass (at its default security level 2: an RSA key
+    under 2048 bits, a SHA-1 signature). ``check-config`` passed them and ``serve`` stopped on
+    a traceback, exit 1 (found by review); both now run this.
+    """
+    pem = read_pair(cert_file, key_file)
+    info = check_pair(*pem, cert_file, key_file, domains)
+    try:
+        ctx = server_context(pem)
+    except ssl.SSLError as exc:
+        why = str(exc.reason or exc).lower().replace("_", " ")
+        raise TLSCheckError(
+            f"listen.tls_cert: OpenSSL refuses {cert_file} with {key_file}: {why}"
+        ) from None
+    return info, pem, ctx
 
 
 def server_context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
@@ -63,9 +85,8 @@ class ReloadableContext:
         self.key_file = key_file
         cert, key = load_from if load_from else (Path(cert_file), Path(key_file))
         # Read once: the bytes checked are the bytes served (see server_context).
-        pem = read_pair(cert, key)
-        self.info: CertInfo = check_pair(*pem, cert, key, domains)
-        self.current = server_context(pem)
+        self.info: CertInfo
+        self.info, pem, self.current = load_checked(cert, key, domains)
         # The files' bytes as they were loaded, for a worker that its supervisor restarts
         # (relay.worker_config.save): the pair may be rewritten in place later.
         self.pem = pem
@@ -88,8 +109,6 @@ class ReloadableContext:
         """
         cert_file = cert_file or self.cert_file
         key_file = key_file or self.key_file
-        pem = read_pair(Path(cert_file), Path(key_file))
-        info = check_pair(*pem, Path(cert_file), Path(key_file), domains)
-        self.current = server_context(pem)
+        info, pem, self.current = load_checked(Path(cert_file), Path(key_file), domains)
         self.cert_file, self.key_file, self.info, self.pem = cert_file, key_file, info, pem
         return info

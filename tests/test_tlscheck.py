@@ -9,9 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
 
+from relay.__main__ import main
 from relay.config import load, parse
 from relay.runtime import Relay
 from relay.tlscheck import (
@@ -183,3 +186,53 @@ async def test_a_reload_with_such_a_key_keeps_the_certificate_and_the_rest(
         assert relay.config.listen.max_header_bytes == 8192
     finally:
         await relay.stop()
+
+
+def _weak_rsa_pair(directory: Path) -> tuple[Path, Path]:
+    """A pair every check of relay.tlscheck passes but OpenSSL refuses at its default security
+    level (2): an RSA key under 2048 bits ("ee key too small")."""
+    key = rsa.generate_private_key(65537, 1024)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, DOMAIN)])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(NOW - datetime.timedelta(days=1))
+        .not_valid_after(NOW + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"*.{DOMAIN}")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "weak.crt", directory / "weak.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+def test_a_pair_openssl_refuses_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Found by review: check-config passed it (exit 0) and serve stopped on a traceback from
+    load_cert_chain (exit 1, so Restart=on-failure looped)."""
+    cert, key = _weak_rsa_pair(tmp_path)
+    write_routes(tmp_path / "routes.json", [])
+    overrides = {"listen": {"tls_cert": str(cert), "tls_key": str(key)}}
+    config = tmp_path / "relay.toml"
+    config.write_text(to_toml(config_data(tmp_path, overrides)))
+    if command == "serve":
+        result = serve_until_exit(config)
+        code, err = result.returncode, result.stderr
+    else:
+        code, err = main(["check-config", "--config", str(config)]), capsys.readouterr().err
+    assert code == 2, err
+    assert "relay: config error: listen.tls_cert: " in err
+    assert "key too small" in err
+    assert "Traceback" not in err
