@@ -472,5 +472,19 @@ def parse_http_url(url: str) -> tuple[str, int] | None:
     if "/" in rest or not rest:
         return None
     if rest.count(":") == 0 or (rest.startswith("[") and rest.endswith("]")):
-        return rest.strip("[]"), 80
-    return split_address(rest)
+        host, port = rest, 80
+    else:
+        parsed = split_address(rest)
+        if parsed is None:
+            return None
+        host, port = rest.rpartition(":")[0], parsed[1]
+    # The host as written must be one (RFC 3986 §3.2.2): an IPv6 address in brackets, an IPv4
+    # address or a DNS name. "user:pw@10.0.0.1" was dialled as a name (every API request 502)
+    # and check-config printed its password (found by review).
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return None
+        return host[1:-1], port
+    return (host, port) if is_dns_name(host) else None

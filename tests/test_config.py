@@ -26,7 +26,12 @@ def test_embedded_default_config_loads() -> None:
 
 @pytest.mark.parametrize(
     ("upstream", "host"),
-    [("http://127.0.0.1:3000", b"127.0.0.1:3000"), ("http://[::1]/", b"[::1]"), ("", b"")],
+    [
+        ("http://127.0.0.1:3000", b"127.0.0.1:3000"),
+        ("http://[::1]/", b"[::1]"),
+        ("http://api.internal:3000", b"api.internal:3000"),
+        ("", b""),
+    ],
 )
 def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -> None:
     """The Host an HTTP/1.0 management request without one is forwarded with (relay.core)."""
@@ -58,6 +63,12 @@ def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -
         ({"routes": {"source": "etcd"}}, "routes.source"),
         ({"routes": {"source": "redis"}}, "routes.redis_url"),
         ({"management": {"upstream": "https://x"}}, "management.upstream"),
+        # Not a host: relay dialled "user:pw@10.0.0.1" (every API request 502) and
+        # check-config printed the password (found by review).
+        ({"management": {"upstream": "http://user:pw@10.0.0.1:3000"}}, "management.upstream"),
+        ({"management": {"upstream": "http://exa mple:80"}}, "management.upstream"),
+        ({"management": {"upstream": "http://[zz]:80"}}, "management.upstream"),
+        ({"management": {"upstream": "http://::1:3000"}}, "management.upstream"),
         ({"process": {"workers": 0}}, "process.workers"),
         ({"nosuch": {}}, "nosuch"),
         # A domain no Host can end with (a port, a wildcard, a scheme, empty): relay started
