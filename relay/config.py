@@ -459,8 +459,18 @@ def split_address(address: str) -> tuple[str, int] | None:
         return None
     if not host:
         return None
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+    # The host must be one: an IPv6 address (bracketed or not: the last colon ends it), an
+    # IPv4 address or a DNS name. Anything else failed only at bind time, exit 1 "Unknown
+    # error -2", while check-config passed it (found by review).
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed or ":" in host:
+        host = host[1:-1] if bracketed else host
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return None
+    elif not is_dns_name(host):
+        return None
     return host, int(port)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relay.__main__ import main, redacted
-from relay.config import ConfigError, load, parse
+from relay.config import ConfigError, load, parse, split_address
 from tests.support.harness import serve_until_exit
 from tests.support.ports import free_port
 
@@ -50,6 +50,12 @@ def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -
         # int() raises ValueError past 4,300 digits (found by review)
         ({"listen": {"address": "127.0.0.1:" + "0" * 5000}}, "listen.address[0]"),
         ({"admin": {"address": "127.0.0.1:" + "9" * 5000}}, "admin.address"),
+        # Not a host: serve stopped with "cannot listen ...: Unknown error -2", exit 1 (so
+        # Restart=on-failure looped), and check-config passed it (found by review).
+        ({"listen": {"address": "exa mple:8080"}}, "listen.address[0]"),
+        ({"listen": {"address": "[zz]:8080"}}, "listen.address[0]"),
+        ({"listen": {"address": "[127.0.0.1]:8080"}}, "listen.address[0]"),
+        ({"admin": {"address": "user@127.0.0.1:9090"}}, "admin.address"),
         (
             {"routes": {"source": "redis", "redis_url": "redis://[::1:6379/0"}},
             "routes.redis_url",
@@ -130,6 +136,21 @@ def test_an_address_used_twice_is_a_config_error(
 )
 def test_distinct_addresses_are_accepted(listen: list[str], admin: str) -> None:
     parse({"listen": {"address": listen}, "admin": {"address": admin}})
+
+
+@pytest.mark.parametrize(
+    ("address", "host"),
+    [
+        ("127.0.0.1:8080", "127.0.0.1"),
+        ("[::1]:8080", "::1"),
+        ("::1:8080", "::1"),  # unbracketed IPv6: the last colon ends it, as before
+        ("localhost:8080", "localhost"),
+        ("relay-1.internal.:8080", "relay-1.internal."),
+    ],
+)
+def test_listen_hosts_accepted(address: str, host: str) -> None:
+    config = parse({"listen": {"address": address}})
+    assert split_address(config.listen.addresses[0]) == (host, 8080)
 
 
 def test_ints_are_accepted_as_floats() -> None:
