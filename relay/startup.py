@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 
 
@@ -26,7 +27,12 @@ def binding(what: str, host: str, port: int) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        # A host name that does not resolve raises socket.gaierror, whose errno is an EAI_*
+        # code: os.strerror(-2) is "Unknown error -2", its own strerror says what went wrong.
+        if isinstance(exc, socket.gaierror):
+            reason = exc.strerror or str(exc)
+        else:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
         raise StartupError(f"cannot listen on {what} {host}:{port}: {reason}") from exc
 
 

@@ -220,6 +220,23 @@ def test_a_taken_port_stops_serve_with_one_line(tmp_path: Path, taken: str, work
     assert "Traceback" not in result.stderr
 
 
+def test_a_name_that_does_not_resolve_says_so(tmp_path: Path) -> None:
+    """Found by review: the getaddrinfo error was printed as "Unknown error -2" (its errno is
+    an EAI_* code, which os.strerror does not know)."""
+    (tmp_path / "routes.json").write_text('{"routes": []}')
+    config = tmp_path / "relay.toml"
+    config.write_text(
+        '[listen]\naddress = "no-such-host.invalid:8080"\n[admin]\naddress = "127.0.0.1:0"\n'
+    )
+    result = serve_until_exit(config, timeout=30)
+    assert result.returncode == 1, result.stderr
+    assert "Unknown error" not in result.stderr
+    line = "relay: cannot start: cannot listen on listen.address no-such-host.invalid:8080: "
+    assert any(
+        text.startswith(line) and len(text) > len(line) for text in result.stderr.splitlines()
+    )
+
+
 def test_allocator_is_tuned_on_glibc() -> None:
     from relay.startup import tune_allocator
 
