@@ -23,6 +23,8 @@ from typing import Any, get_type_hints
 from relay.core.decide import Settings
 from relay.core.routes import Network
 
+MAX_WORKERS = 1024
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key."""
@@ -322,7 +324,13 @@ def validate(config: Config) -> None:
             "management.upstream",
             "must be http://host:port",
         )
-    _check(config.process.workers >= 1, "process.workers", "must be >= 1")
+    # Each worker is a Python interpreter (tens of MB); past this a typo exhausts the host
+    # (2**63-1 was a list of workers grown until the OOM killer came, found by review).
+    _check(
+        1 <= config.process.workers <= MAX_WORKERS,
+        "process.workers",
+        f"must be between 1 and {MAX_WORKERS}",
+    )
     _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
 
 

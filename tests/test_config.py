@@ -76,6 +76,10 @@ def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -
         ({"management": {"upstream": "http://[zz]:80"}}, "management.upstream"),
         ({"management": {"upstream": "http://::1:3000"}}, "management.upstream"),
         ({"process": {"workers": 0}}, "process.workers"),
+        # Found by review: serve built a list of that many workers until the OOM killer came
+        # (exit 137, no message) and check-config passed it.
+        ({"process": {"workers": 9223372036854775807}}, "process.workers"),
+        ({"process": {"workers": 1025}}, "process.workers"),
         ({"nosuch": {}}, "nosuch"),
         # A domain no Host can end with (a port, a wildcard, a scheme, empty): relay started
         # and answered every Host-form request as if it named no sandbox (found by review).
