@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from relay.core.answers import answer_bytes, render
-from relay.core.model import Reason, Reject
+from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_CLIENT_FULL
 
 if TYPE_CHECKING:
@@ -141,11 +141,18 @@ class Closing:
             self.active = None
         self.close()
 
-    def refuse(self, reject: Reject, *, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-        """Answer a request relay could not even parse or admit, then close."""
+    def refuse(self, reject: Reject, *, head: RequestHead | None = None) -> None:
+        """Answer a request relay could not even parse or admit, then close.
+
+        ``head``: the request's, when it was parsed (one past ``listen.max_connections``): its
+        Origin gets CORS and a browser page load the HTML page (SPEC §5), and a HEAD gets no
+        content (RFC 9110 §9.3.2), as for every other answer of relay's (found by review: a
+        HEAD got the JSON body, a browser's fetch no Access-Control-Allow-Origin)."""
         self.closing = True
         self.relay.observer.connection_refused(reject, self.peer)
-        self.write(answer_bytes(render(reject, headers), close=True))
+        answer = render(reject, head.headers if head is not None else ())
+        head_only = head is not None and head.method == b"HEAD"
+        self.write(answer_bytes(answer, close=True, head_only=head_only))
         self.close()
 
     def close(self) -> None:

@@ -420,7 +420,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         if self.overloaded:
             # SPEC §5a: past listen.max_connections relay answers 503 and closes.
             self.relay.timers.head_done(self)
-            self.refuse(Reject(reason=Reason.OVERLOADED, retry_after=1))
+            self.refuse(Reject(reason=Reason.OVERLOADED, retry_after=1), head=head)
             return
         exchange = Exchange(self, head, keep_alive=keep_alive)
         self.receiving = exchange
