@@ -348,7 +348,14 @@ class Closing:
             elif active.response_started():
                 self.abort()
             else:
-                self.refuse(reject)
+                # The exchange answers (its upstream closed, then the connection): one
+                # exchange, counted and logged once with its 400 and its request, and
+                # rendered with its head (CORS). refuse() answered for the connection and the
+                # exchange then ended as "client_closed" with status 0: two requests in
+                # relay_requests, two access-log lines (found by review).
+                self.closing = True
+                active.cut(reject)
+                self.close()
             return
         if broken is not None and broken in self.queue:
             self.queue.remove(broken)  # a queued request's body: it never started

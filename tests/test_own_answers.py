@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support.harness import route, running_relay
+import pytest
+
+from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream
 
 ORIGIN = b"Origin: https://app.example\r\n"
 
@@ -48,3 +53,59 @@ async def test_an_overload_503_answers_a_head_with_no_content_and_cors(tmp_path:
     assert b"\r\nRetry-After: " in head
     assert b"\r\nAccess-Control-Allow-Origin: *" in head, head
     assert content == b"", content
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[dict[str, object]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(record.getMessage()))
+
+
+@pytest.fixture
+def access_lines() -> Iterator[list[dict[str, object]]]:
+    """Access-log lines as relay writes them without ``accesslog.configure`` (its logger)."""
+    logger = logging.getLogger("relay.access")
+    handler, level = _Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_a_request_broken_mid_body_is_one_exchange_with_its_answer(
+    tmp_path: Path, access_lines: list[dict[str, object]]
+) -> None:
+    """A forwarded request whose chunked body turns malformed before any response is
+    answered 400 and closed. That is one exchange: one request in relay_requests, one
+    access-log line with its method, path and the 400. It was counted twice (("refused",
+    "4xx") and ("app", "none")) and logged twice: a line of nulls with the 400, and the
+    exchange's own with status 0 and reason "client_closed", though relay had closed it."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65536):  # takes the request, never answers
+            pass
+        writer.close()
+
+    async with (
+        scripted_upstream(silent) as port,
+        running_relay(tmp_path, [route("brokenbody", insecure=True)]) as relay,
+    ):
+        head = (
+            f"POST /up HTTP/1.1\r\nHost: {port}-brokenbody.{DOMAIN}\r\n"
+            "Transfer-Encoding: chunked\r\n"
+        ).encode() + ORIGIN
+        answer = await _exchange(relay.port, [head + b"\r\n", b"zz\r\n"])
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        assert b"\r\nAccess-Control-Allow-Origin: *" in answer  # SPEC §5, as for any error
+        await asyncio.sleep(0.1)
+        assert dict(relay.relay.observer.requests) == {("app", "4xx"): 1}
+    assert len(access_lines) == 1, access_lines
+    line = access_lines[0]
+    assert (line["method"], line["path"], line["status"]) == ("POST", "/up", 400), line
+    assert line["sandbox_id"] == "brokenbody"
