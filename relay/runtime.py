@@ -364,7 +364,7 @@ class Relay:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         admin.add_routes(app, self)  # /metrics, /routes
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = admin.runner(app)
         await runner.setup()
         self._admin = runner
         if self.admin_socket is not None:  # a worker: its supervisor owns admin.address

@@ -421,7 +421,7 @@ class Supervisor:
     async def _start_admin(self) -> None:
         app = web.Application()
         admin.add_supervisor_routes(app, self)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = admin.runner(app)
         await runner.setup()
         parsed = split_address(self.config.admin.address)
         assert parsed is not None
