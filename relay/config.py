@@ -61,7 +61,8 @@ class Routing:
 class Routes:
     source: str = "file"
     file: str = "routes.json"  # relative paths resolve from the config file's folder
-    redis_url: str = ""
+    # Not in repr: a password written into the URL is accepted (redact_url shows it safely).
+    redis_url: str = field(default="", repr=False)
     redis_prefix: str = "relay:"
     redis_username: str = ""
     redis_password_file: str = ""

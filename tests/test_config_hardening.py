@@ -20,6 +20,7 @@ import pytest
 from relay.__main__ import main
 from relay.config import ConfigError, load, parse, redact_url
 from relay.feeds.file import write_routes_file
+from relay.feeds.redis import redis_target
 from tests.support.certs import issue
 from tests.support.harness import DOMAIN, config_data, route, running_relay, to_toml, write_routes
 
@@ -86,6 +87,16 @@ def test_check_config_redacts_a_password_spelled_with_tabs_or_line_ends(
     shown = json.loads(out)["routes"]["redis_url"]
     assert "hunter2" not in shown.replace("\t", "").replace("\n", ""), shown
     assert "<redacted>" in shown
+
+
+def test_no_repr_shows_a_password_written_into_redis_url(tmp_path: Path) -> None:
+    """A password in redis_url is accepted (README, Decisions), so the dataclasses that hold
+    the URL must not print it: repr(config) and repr(RedisTarget) did (found by review)."""
+    routes = {"source": "redis", "redis_url": "redis://relay:hunter2@127.0.0.1:6379/0"}
+    config = parse(config_data(tmp_path, {"routes": routes}), base_dir=tmp_path)
+    target = redis_target(config)
+    for shown in (repr(config), str(config), repr(config.routes), repr(target), str(target)):
+        assert "hunter2" not in shown, shown
 
 
 def test_a_query_password_conflicts_with_a_password_file(tmp_path: Path) -> None:

@@ -96,7 +96,7 @@ PARSE_SLICE = 5000  # hash entries parsed between yields to the event loop
 class RedisTarget:
     """Everything needed to reach the routes in Redis; the password is never printed."""
 
-    url: str
+    url: str = field(repr=False)  # may hold a password too (routes.redis_url)
     prefix: str
     username: str | None = None
     password: str | None = field(default=None, repr=False)
