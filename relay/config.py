@@ -303,6 +303,7 @@ def validate(config: Config) -> None:
             "must be a redis:// or rediss:// URL",
         )
         _check_redis_secrets(routes)
+        _check_redis_options(routes.redis_url)
     _check(routes.max_stale_s > 0, "routes.max_stale_s", "must be > 0")
     _check(up.credentials in ("strip", "forward"), "upstream.credentials", '"strip" or "forward"')
     _check(1 <= up.envd_port <= 65535, "upstream.envd_port", "must be a port number")
@@ -458,6 +459,26 @@ def is_dns_name(domain: str) -> bool:
     """
     name = domain.lower().removesuffix(".")
     return 0 < len(name) <= 253 and all(_LABEL.match(label) for label in name.split("."))
+
+
+def _check_redis_options(url: str) -> None:
+    """The URL's options as redis-py takes them when the feed connects (``?socket_timeout=``,
+    ``?protocol=``, an option it does not know...): refused there, the feed task died with a
+    traceback and relay stayed "not ready" for ever, or the feed failed with a traceback at
+    every retry (found by review). A client and a connection object are made here as the
+    feed makes them, without I/O; redis-py's messages name the option."""
+    from redis.asyncio import Redis  # noqa: PLC0415 - only for source = redis
+    from redis.exceptions import RedisError  # noqa: PLC0415
+
+    try:
+        pool = Redis.from_url(url, protocol=2).connection_pool
+        pool.make_connection()  # type: ignore[no-untyped-call]  # (redis-py leaves it untyped)
+    except (ValueError, TypeError, RedisError) as exc:
+        raise ConfigError(f"routes.redis_url: redis-py refuses it: {exc}") from None
+    except Exception as exc:  # ?retry=x: AttributeError, whatever redis-py trips on
+        raise ConfigError(
+            f"routes.redis_url: redis-py cannot use it ({type(exc).__name__})"
+        ) from None
 
 
 def split_address(address: str) -> tuple[str, int] | None:

@@ -99,6 +99,31 @@ def test_no_repr_shows_a_password_written_into_redis_url(tmp_path: Path) -> None
         assert "hunter2" not in shown, shown
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0?socket_timeout=soon",  # the feed task died at start
+        "redis://h/0?max_connections=x",
+        "redis://h/0?sockettimeout=1",  # unknown: a traceback at every retry
+        "redis://h/0?protocol=4",
+        "redis://h/0?retry=1",  # an AttributeError inside redis-py
+    ],
+)
+def test_a_redis_url_option_redis_py_refuses_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    """redis-py refuses such a URL only when the feed connects: the feed task died with a
+    traceback ("background task failed") and relay served 503 "not ready" for ever, or each
+    retry failed with a traceback, while check-config passed it (found by review). SPEC §6:
+    a wrong value stops startup with a message naming the key."""
+    routes = {"source": "redis", "redis_url": url}
+    with pytest.raises(ConfigError, match=r"^routes\.redis_url: "):
+        parse(config_data(tmp_path, {"routes": routes}), base_dir=tmp_path)
+    path = config_file(tmp_path, {"routes": routes})
+    assert main(["check-config", "--config", str(path), "--offline"]) == 2
+    assert "routes.redis_url" in capsys.readouterr().err
+
+
 def test_a_query_password_conflicts_with_a_password_file(tmp_path: Path) -> None:
     (tmp_path / "pw").write_text("from-file\n")
     routes = {"source": "redis", "redis_url": QUERY_URL, "redis_password_file": "pw"}
