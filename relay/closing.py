@@ -64,6 +64,7 @@ class Closing:
         "_mid_message",
         "_paused",
         "_refusal",
+        "_refused_head",
         "active",
         "below",
         "closing",
@@ -84,6 +85,7 @@ class Closing:
     receiving: Exchange | None
     queue: deque[Exchange]
     _refusal: Reject | None
+    _refused_head: RequestHead | None  # the head _refusal answers, when it was parsed whole
     _head_raw: int
     _paused: int
     _mid_message: bool
@@ -144,7 +146,8 @@ class Closing:
     def refuse(self, reject: Reject, *, head: RequestHead | None = None) -> None:
         """Answer a request relay could not even parse or admit, then close.
 
-        ``head``: the request's, when it was parsed (one past ``listen.max_connections``): its
+        ``head``: the request's, when it was parsed (one past ``listen.max_connections``, a
+        head past ``listen.max_header_bytes`` that llhttp read whole): its
         Origin gets CORS and a browser page load the HTML page (SPEC §5), and a HEAD gets no
         content (RFC 9110 §9.3.2), as for every other answer of relay's (found by review: a
         HEAD got the JSON body, a browser's fetch no Access-Control-Allow-Origin)."""
@@ -330,12 +333,13 @@ class Closing:
             detail = "Invalid request target"
         self._unparseable(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
 
-    def _unparseable(self, reject: Reject) -> None:
+    def _unparseable(self, reject: Reject, head: RequestHead | None = None) -> None:
         """Nothing more can be parsed from this connection: refuse, in order, then close.
 
         Responses go out in request order (RFC 9112 §9.3.2): a refusal found while earlier
         pipelined requests are still being answered waits for them, so that it is never taken
-        for the answer to one of them.
+        for the answer to one of them. ``head``: the refused request's, when llhttp parsed it
+        whole (a 431 past ``max_header_bytes``), for refuse().
         """
         broken, self.receiving = self.receiving, None
         if self.closing:
@@ -360,10 +364,10 @@ class Closing:
         if broken is not None and broken in self.queue:
             self.queue.remove(broken)  # a queued request's body: it never started
         if active is None:
-            self.refuse(reject)
+            self.refuse(reject, head=head)
             return
         self.parser = None
-        self._refusal = reject
+        self._refusal, self._refused_head = reject, head
 
 
 def _unsent(transport: asyncio.Transport | None) -> int:

@@ -116,6 +116,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._again = False
         self._paused = 0
         self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
+        self._refused_head: RequestHead | None = None
         self._starting = False  # exchange_finished is starting queued exchanges
         self._client_eof = False  # the client half-closed: close once its requests are answered
         self.write_paused = False
@@ -400,7 +401,9 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._moved = True
         if size > self.relay.config.listen.max_header_bytes:
             self.relay.timers.head_done(self)
-            self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))  # in order, as above
+            # In order, as above; answered as the request asks (CORS, HEAD), as it was parsed.
+            refused = RequestHead(method=method, target=target, version=version, headers=headers)
+            self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE), refused)
             return
         last = self._last
         if last is not None and last[1] is known:
@@ -539,7 +542,8 @@ class ClientConnection(Slices, asyncio.Protocol):
             if self.active is not None or self.closing:
                 return
         if self._refusal is not None:
-            self.refuse(self._refusal)  # every earlier request is answered: now the refusal
+            # every earlier request is answered: now the refusal
+            self.refuse(self._refusal, head=self._refused_head)
             return
         if self._client_eof:
             self.close()  # every request the client sent before its FIN is answered

@@ -55,6 +55,40 @@ async def test_an_overload_503_answers_a_head_with_no_content_and_cors(tmp_path:
     assert content == b"", content
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_a_431_for_a_whole_head_answers_as_its_request_asks(
+    tmp_path: Path, pipelined: bool
+) -> None:
+    """A head llhttp parsed whole but past listen.max_header_bytes (a browser's large Cookie)
+    is refused 431 knowing the request: with Access-Control-Allow-Origin for its Origin (SPEC
+    §5; without it a browser's fetch sees a network error, not the 431) and no content for
+    a HEAD. Alone, or behind a pipelined request still in flight (the refusal then waits for
+    its answer), it had neither."""
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(0.2)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    overrides = {"listen": {"max_header_bytes": 1024}}
+    big = b"HEAD / HTTP/1.1\r\nHost: x\r\n" + ORIGIN + b"Cookie: " + b"c" * 1100 + b"\r\n\r\n"
+    async with (
+        scripted_upstream(slow) as port,
+        running_relay(tmp_path, [route("big", insecure=True)], overrides) as relay,
+    ):
+        first = f"GET / HTTP/1.1\r\nHost: {port}-big.{DOMAIN}\r\n\r\n".encode()
+        answer = await _exchange(relay.port, [first + big if pipelined else big])
+    if pipelined:
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        answer = answer[answer.index(b"\r\n\r\nok") + 6 :]
+    head, _, content = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), answer
+    assert b"\r\nAccess-Control-Allow-Origin: *" in head, head
+    assert content == b"", content
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
