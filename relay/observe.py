@@ -242,4 +242,14 @@ class Observer:
 
 
 def _path_only(target: bytes) -> str:
-    return target.partition(b"?")[0].decode("latin-1")
+    """A refused request's target for its log line (SPEC §7: no credential): without its
+    query or fragment (a browser sends none; one sent, an OAuth ``#access_token=``, is
+    refused), and an absolute-form target (refused too) without its userinfo, RFC 3986
+    §3.2.1's "user:password" (found by review: both were logged as sent)."""
+    path = target.partition(b"?")[0].partition(b"#")[0]
+    if not path.startswith(b"/"):
+        scheme, sep, rest = path.partition(b"://")
+        if sep:
+            authority, slash, tail = rest.partition(b"/")
+            path = scheme + sep + authority.rpartition(b"@")[2] + slash + tail
+    return path.decode("latin-1")
