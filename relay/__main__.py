@@ -202,7 +202,18 @@ def sign_url(
 
 def _sign_url(args: argparse.Namespace) -> int:
     if args.token_file:
-        token = Path(args.token_file).read_text().strip()
+        # One line, not a traceback, and never an empty token (as for --token-env).
+        try:
+            token = Path(args.token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            print(f"relay: cannot read {args.token_file}: {exc.strerror}", file=sys.stderr)
+            return EXIT_CONFIG
+        except UnicodeDecodeError:
+            print(f"relay: {args.token_file} is not UTF-8 text", file=sys.stderr)
+            return EXIT_CONFIG
+        if not token:
+            print(f"relay: {args.token_file} is empty", file=sys.stderr)
+            return EXIT_CONFIG
     elif args.token_env:
         token = os.environ.get(args.token_env, "")
         if not token:

@@ -84,3 +84,20 @@ def test_cli_reads_the_token_from_a_route(
         )
         == 1
     )
+
+
+@pytest.mark.parametrize("content", [None, b"", b"\n", b"\xff\xfe"])
+def test_an_unusable_token_file_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None
+) -> None:
+    """A missing or non-UTF-8 --token-file ended sign-url in a traceback (exit 1), and an
+    empty one signed with an empty token, where an empty --token-env is refused."""
+    token_file = tmp_path / "token"
+    if content is not None:
+        token_file.write_bytes(content)
+    args = ["sign-url", "--url", "http://x", "--path", "/a", "--token-file", str(token_file)]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("relay: "), captured.err
+    assert captured.err.count("\n") == 1, captured.err
