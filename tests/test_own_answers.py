@@ -168,3 +168,18 @@ async def test_a_refused_targets_credentials_are_not_logged(
         answer = await _exchange(relay.port, [head])
     assert answer.startswith(b"HTTP/1.1 400 "), answer
     assert [line["path"] for line in access_lines] == [logged]
+
+
+async def test_the_405_for_connect_lists_the_methods_relay_forwards(tmp_path: Path) -> None:
+    """RFC 9110 §15.5.6: a 405 response MUST carry an Allow field listing the methods the
+    target supports. relay's 405 to CONNECT (SPEC §1) had none."""
+    async with running_relay(tmp_path, [route("tunnel", insecure=True)]) as relay:
+        connect = f"CONNECT 49983-tunnel.{DOMAIN}:443 HTTP/1.1\r\nHost: 49983-tunnel.{DOMAIN}"
+        answer = await _exchange(relay.port, [connect.encode() + b":443\r\n\r\n"])
+    head = answer.partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 405 "), answer
+    allow = [line for line in head.split(b"\r\n") if line.lower().startswith(b"allow:")]
+    assert len(allow) == 1, head
+    methods = {m.strip() for m in allow[0].partition(b":")[2].split(b",")}
+    assert {b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS"} <= methods
+    assert b"CONNECT" not in methods

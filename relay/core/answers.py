@@ -19,6 +19,10 @@ from relay.core.model import Headers, Reject
 
 JSON_TYPE = b"application/json; charset=utf-8"
 HTML_TYPE = b"text/html; charset=utf-8"
+# RFC 9110 §15.5.6: a 405 MUST list the methods the target supports. relay refuses only
+# CONNECT (SPEC §1) and forwards the others; these are the ones envd allows (rs/cors in its
+# main.go) and every E2B SDK uses.
+ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,8 @@ def render(reject: Reject, request_headers: Headers = ()) -> Answer:
     out.append((b"Cache-Control", b"no-store"))
     if reject.retry_after is not None:
         out.append((b"Retry-After", str(reject.retry_after).encode()))
+    if reject.status == 405:
+        out.append((b"Allow", ALLOWED_METHODS))
     if b"origin" in fields:
         out.append((b"Access-Control-Allow-Origin", b"*"))
     return Answer(reject.status, tuple(out), body)
