@@ -152,7 +152,7 @@ class Closing:
         content (RFC 9110 §9.3.2), as for every other answer of relay's (found by review: a
         HEAD got the JSON body, a browser's fetch no Access-Control-Allow-Origin)."""
         self.closing = True
-        self.relay.observer.connection_refused(reject, self.peer)
+        self.relay.observer.connection_refused(reject, self.peer, head)
         answer = render(reject, head.headers if head is not None else ())
         head_only = head is not None and head.method == b"HEAD"
         self.write(answer_bytes(answer, close=True, head_only=head_only))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from relay.accesslog import ACCESS_LOG
 from relay.core.answers import log_members
-from relay.core.model import Forward, Reason, Reject
+from relay.core.model import Forward, Reason, Reject, RequestHead
 from relay.core.routes import RouteError
 
 if TYPE_CHECKING:
@@ -105,8 +105,13 @@ class Observer:
     def refused(self, reject: Reject, peer: str) -> None:
         self.refusals[reject.reason.label] += 1
 
-    def connection_refused(self, reject: Reject, peer: str) -> None:
-        """A refusal with no exchange (unparseable request, 431, slow head, overload)."""
+    def connection_refused(
+        self, reject: Reject, peer: str, head: RequestHead | None = None
+    ) -> None:
+        """A refusal with no exchange (unparseable request, 431, slow head, overload).
+        ``head``: the request's when it was parsed (an overload, a whole head past the
+        limit), whose method and path its line shows (docs/operations.md: null only for a
+        request refused before it could be parsed; found by review)."""
         self.refused(reject, peer)
         self._count("refused", reject.status)
         if ACCESS_LOG.enabled:
@@ -115,8 +120,8 @@ class Observer:
                 client=peer,
                 sandbox_id=None,
                 port=None,
-                method=None,
-                path=None,
+                method=None if head is None else head.method.decode("latin-1"),
+                path=None if head is None else _path_only(head.target),
                 status=reject.status,
                 bytes_in=0,
                 bytes_out=0,

@@ -33,7 +33,9 @@ async def _exchange(port: int, parts: list[bytes], wait_s: float = 2.0) -> bytes
         writer.close()
 
 
-async def test_an_overload_503_answers_a_head_with_no_content_and_cors(tmp_path: Path) -> None:
+async def test_an_overload_503_answers_a_head_with_no_content_and_cors(
+    tmp_path: Path, access_lines: list[dict[str, object]]
+) -> None:
     """The 503 past listen.max_connections is an answer to a parsed request: a HEAD gets no
     content (RFC 9110 §9.3.2) and a request with an Origin gets Access-Control-Allow-Origin
     (SPEC §5), as every other answer of relay's. It was written without the request's head:
@@ -53,6 +55,11 @@ async def test_an_overload_503_answers_a_head_with_no_content_and_cors(tmp_path:
     assert b"\r\nRetry-After: " in head
     assert b"\r\nAccess-Control-Allow-Origin: *" in head, head
     assert content == b"", content
+    # A request that was parsed is logged with its method and path (docs/operations.md: only
+    # requests refused before they could be parsed log them as null); they were null.
+    assert [(line["method"], line["path"], line["status"]) for line in access_lines] == [
+        ("HEAD", "/", 503)
+    ]
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
