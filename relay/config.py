@@ -514,7 +514,9 @@ def parse_http_url(url: str) -> tuple[str, int] | None:
     if not url.startswith("http://"):
         return None
     rest = url[len("http://") :].rstrip("/")
-    if "/" in rest or not rest:
+    # No userinfo and no blank: "http://user:pass@h:80" was taken as the host "user:pass@h",
+    # which no request could reach, and check-config printed the password (found by review).
+    if "/" in rest or not rest or "@" in rest or any(c.isspace() for c in rest):
         return None
     if rest.count(":") == 0 or (rest.startswith("[") and rest.endswith("]")):
         host, port = rest, 80

@@ -124,6 +124,23 @@ def test_a_redis_url_option_redis_py_refuses_is_a_config_error(
     assert "routes.redis_url" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "upstream", ["http://api:s3cret@127.0.0.1:3000", "http://s3cret@127.0.0.1", "http://a b:80"]
+)
+def test_a_management_upstream_with_userinfo_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], upstream: str
+) -> None:
+    """management.upstream must be http://host:port. With userinfo it was taken as the host
+    "api:s3cret@127.0.0.1": relay started, every management request failed to resolve it
+    (502 "The API server is unreachable"), and check-config printed the password, as it
+    redacts only routes.redis_url (found by review)."""
+    path = config_file(tmp_path, {"management": {"upstream": upstream}})
+    assert main(["check-config", "--config", str(path), "--offline"]) == 2
+    captured = capsys.readouterr()
+    assert "management.upstream" in captured.err
+    assert "s3cret" not in captured.out + captured.err
+
+
 def test_a_query_password_conflicts_with_a_password_file(tmp_path: Path) -> None:
     (tmp_path / "pw").write_text("from-file\n")
     routes = {"source": "redis", "redis_url": QUERY_URL, "redis_password_file": "pw"}
