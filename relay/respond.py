@@ -378,8 +378,14 @@ class Respond:
             conn.close()
         self.client.resume(PAUSE_UPSTREAM_FULL)
         if not self.status:
+            closes = self.head.upgrade or not self.request_complete
+            if closes:
+                # The rest of the request has nowhere to go: the answer says the connection
+                # ends (RFC 9112 §9.6), as relay's other closing answers do (found by review:
+                # it was closed after an answer that kept it).
+                self.keep_alive = False
             self.answer(reject)
-            if self.head.upgrade or not self.request_complete:
+            if closes:
                 self.client.close()
             return
         tracker = self._tracker

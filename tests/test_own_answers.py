@@ -190,3 +190,25 @@ async def test_the_405_for_connect_lists_the_methods_relay_forwards(tmp_path: Pa
     methods = {m.strip() for m in allow[0].partition(b":")[2].split(b",")}
     assert {b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS"} <= methods
     assert b"CONNECT" not in methods
+
+
+async def test_an_answer_relay_closes_after_says_so(tmp_path: Path) -> None:
+    """The upstream closes before answering while the client is still sending its body: relay
+    answers 502 and closes the connection, since the rest of the body has nowhere to go
+    (Respond.cut). The answer must say so (RFC 9112 §9.6, as relay's other answers that
+    close do: answer_bytes), or a client takes the connection for kept and sends its next
+    request into the close. It had no Connection: close."""
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    async with (
+        scripted_upstream(hang_up) as port,
+        running_relay(tmp_path, [route("hangup", insecure=True)]) as relay,
+    ):
+        head = f"POST /up HTTP/1.1\r\nHost: {port}-hangup.{DOMAIN}\r\nContent-Length: 100\r\n\r\n"
+        answer = await _exchange(relay.port, [head.encode() + b"x" * 10])
+    head_out = answer.partition(b"\r\n\r\n")[0]
+    assert head_out.startswith(b"HTTP/1.1 502 "), answer
+    assert b"\r\nConnection: close" in head_out, head_out
