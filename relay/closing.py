@@ -31,6 +31,7 @@ import httptools
 from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_CLIENT_FULL
+from relay.respond import http_date
 
 if TYPE_CHECKING:
     from relay.forward import Exchange
@@ -155,7 +156,7 @@ class Closing:
         self.relay.observer.connection_refused(reject, self.peer, head)
         answer = render(reject, head.headers if head is not None else ())
         head_only = head is not None and head.method == b"HEAD"
-        self.write(answer_bytes(answer, close=True, head_only=head_only))
+        self.write(answer_bytes(answer, close=True, head_only=head_only, date=http_date()))
         self.close()
 
     def close(self) -> None:

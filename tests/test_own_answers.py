@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,3 +214,24 @@ async def test_an_answer_relay_closes_after_says_so(tmp_path: Path) -> None:
     head_out = answer.partition(b"\r\n\r\n")[0]
     assert head_out.startswith(b"HTTP/1.1 502 "), answer
     assert b"\r\nConnection: close" in head_out, head_out
+
+
+async def test_relays_own_answers_carry_a_date(tmp_path: Path) -> None:
+    """RFC 9110 §6.6.1: an origin server with a clock MUST send Date in every 2xx, 3xx and 4xx
+    response. relay is the origin of its own answers (a 404 without a target, a 401, a 405
+    or 431 before it closes); they had none, unlike nginx's and Envoy's local replies."""
+    overrides = {"listen": {"max_header_bytes": 1024}}
+    requests = [
+        b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",  # 404, through an exchange
+        b"GET / HTTP/1.1\r\nHost: x\r\nCookie: " + b"c" * 1100 + b"\r\n\r\n",  # 431, refuse()
+    ]
+    async with running_relay(tmp_path, [route("dated", insecure=True)], overrides) as relay:
+        answers = [await _exchange(relay.port, [request]) for request in requests]
+    for answer in answers:
+        head = answer.partition(b"\r\n\r\n")[0]
+        assert head.startswith((b"HTTP/1.1 404 ", b"HTTP/1.1 431 ")), answer
+        dates = [line for line in head.split(b"\r\n") if line.startswith(b"Date: ")]
+        assert len(dates) == 1, head
+        sent = email.utils.parsedate_to_datetime(dates[0][6:].decode())
+        assert abs(sent.timestamp() - time.time()) < 5
+        assert dates[0].endswith(b" GMT")

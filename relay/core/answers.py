@@ -118,7 +118,12 @@ def reason_phrase(status: int) -> bytes:
 
 
 def answer_bytes(
-    answer: Answer, *, close: bool, head_only: bool = False, version: str = "1.1"
+    answer: Answer,
+    *,
+    close: bool,
+    head_only: bool = False,
+    version: str = "1.1",
+    date: bytes = b"",
 ) -> bytes:
     """One of relay's own answers as written to the client: the head, with Content-Length and,
     when the connection ends after it, ``Connection: close`` (RFC 9112 §9.6), then the body.
@@ -126,8 +131,12 @@ def answer_bytes(
     ``head_only`` answers a HEAD request: the same fields, no content (RFC 9110 §9.3.2), since
     bytes after the head would be read as the next response on a kept-alive connection.
     ``version`` is the request's: an HTTP/1.0 client is told a kept connection is kept (found by
-    review: relay kept it silently, and the client could wait for the close)."""
+    review: relay kept it silently, and the client could wait for the close).
+    ``date``: the Date field's value, which RFC 9110 §6.6.1 requires of an origin server with
+    a clock in every 4xx; the adapter reads the clock (``relay.respond.http_date``)."""
     fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
+    if date:
+        fields = ((b"Date", date), *fields)
     if close:
         fields = (*fields, (b"Connection", b"close"))
     elif version == "1.0":  # an HTTP/1.0 connection persists only when both say so (RFC 9112 §9.3)
