@@ -153,9 +153,10 @@ class Closing:
         content (RFC 9110 §9.3.2), as for every other answer of relay's (found by review: a
         HEAD got the JSON body, a browser's fetch no Access-Control-Allow-Origin)."""
         self.closing = True
-        self.relay.observer.connection_refused(reject, self.peer, head)
         answer = render(reject, head.headers if head is not None else ())
         head_only = head is not None and head.method == b"HEAD"
+        sent = 0 if head_only else len(answer.body)
+        self.relay.observer.connection_refused(reject, self.peer, head, sent)
         self.write(answer_bytes(answer, close=True, head_only=head_only, date=http_date()))
         self.close()
 

@@ -106,12 +106,13 @@ class Observer:
         self.refusals[reject.reason.label] += 1
 
     def connection_refused(
-        self, reject: Reject, peer: str, head: RequestHead | None = None
+        self, reject: Reject, peer: str, head: RequestHead | None = None, sent: int = 0
     ) -> None:
         """A refusal with no exchange (unparseable request, 431, slow head, overload).
         ``head``: the request's when it was parsed (an overload, a whole head past the
         limit), whose method and path its line shows (docs/operations.md: null only for a
-        request refused before it could be parsed; found by review)."""
+        request refused before it could be parsed; found by review). ``sent``: the answer's
+        body bytes, its line's bytes_out as for an exchange's refusal (it was 0)."""
         self.refused(reject, peer)
         self._count("refused", reject.status)
         if ACCESS_LOG.enabled:
@@ -124,7 +125,7 @@ class Observer:
                 path=None if head is None else _path_only(head.target),
                 status=reject.status,
                 bytes_in=0,
-                bytes_out=0,
+                bytes_out=sent,
                 duration_ms=None,
                 reason=reject.reason.label,
             )

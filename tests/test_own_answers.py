@@ -235,3 +235,18 @@ async def test_relays_own_answers_carry_a_date(tmp_path: Path) -> None:
         sent = email.utils.parsedate_to_datetime(dates[0][6:].decode())
         assert abs(sent.timestamp() - time.time()) < 5
         assert dates[0].endswith(b" GMT")
+
+
+async def test_a_connection_refusal_logs_the_bytes_it_sent(
+    tmp_path: Path, access_lines: list[dict[str, object]]
+) -> None:
+    """An access line's bytes_out counts the body relay sent, for its own answers too (an
+    exchange's refusal logs its JSON's length). A refusal made for the connection (an
+    overload 503, a 431, a malformed request) logged 0 whatever it sent."""
+    overrides = {"listen": {"max_header_bytes": 1024}}
+    too_large = b"GET / HTTP/1.1\r\nHost: x\r\nCookie: " + b"c" * 1100 + b"\r\n\r\n"
+    async with running_relay(tmp_path, [route("counted", insecure=True)], overrides) as relay:
+        answers = [await _exchange(relay.port, [data]) for data in (too_large, b"G\x01T\r\n")]
+    sent = [len(answer.partition(b"\r\n\r\n")[2]) for answer in answers]
+    assert all(sent), answers
+    assert [line["bytes_out"] for line in access_lines] == sent
