@@ -255,7 +255,8 @@ def _path_only(target: bytes) -> str:
     path = target.partition(b"?")[0].partition(b"#")[0]
     if not path.startswith(b"/"):
         scheme, sep, rest = path.partition(b"://")
-        if sep:
-            authority, slash, tail = rest.partition(b"/")
-            path = scheme + sep + authority.rpartition(b"@")[2] + slash + tail
+        if not sep:  # authority-form (CONNECT), where llhttp takes a userinfo too
+            scheme, rest = b"", path
+        authority, slash, tail = rest.partition(b"/")
+        path = scheme + sep + authority.rpartition(b"@")[2] + slash + tail
     return path.decode("latin-1")

@@ -155,28 +155,35 @@ async def test_a_request_broken_mid_body_is_one_exchange_with_its_answer(
 
 
 @pytest.mark.parametrize(
-    ("target", "logged"),
+    ("method", "target", "logged"),
     [
         # RFC 3986 §3.2.1: userinfo "user:password" is a credential; the form is refused 400
-        (b"http://user:s3cret@h.example/files?x=1", "http://h.example/files"),
-        (b"http://s3cret@h.example", "http://h.example"),
+        (b"GET", b"http://user:s3cret@h.example/files?x=1", "http://h.example/files"),
+        (b"GET", b"http://s3cret@h.example", "http://h.example"),
+        # CONNECT's authority-form, which llhttp takes with a userinfo too: refused 405
+        (b"CONNECT", b"user:s3cret@h.example:443", "h.example:443"),
         # a fragment is never sent by a browser; one sent (an OAuth "#access_token=...") is
         # refused 400 and kept out like a query
-        (b"/files#access_token=s3cret", "/files"),
+        (b"GET", b"/files#access_token=s3cret", "/files"),
     ],
 )
 async def test_a_refused_targets_credentials_are_not_logged(
-    tmp_path: Path, access_lines: list[dict[str, object]], target: bytes, logged: str
+    tmp_path: Path,
+    access_lines: list[dict[str, object]],
+    method: bytes,
+    target: bytes,
+    logged: str,
 ) -> None:
     """SPEC §7: an access-log line has no credential. A refused request's line showed its
-    raw target without the query only: the userinfo of an absolute-form target, and a
-    fragment, were logged as sent."""
+    raw target without the query only: the userinfo of an absolute-form or authority-form
+    target, and a fragment, were logged as sent."""
     async with running_relay(tmp_path, [route("cred", insecure=True)]) as relay:
-        head = b"GET " + target + f" HTTP/1.1\r\nHost: 49983-cred.{DOMAIN}\r\n".encode()
+        head = method + b" " + target + f" HTTP/1.1\r\nHost: 49983-cred.{DOMAIN}\r\n".encode()
         head += b"Connection: close\r\n\r\n"
         answer = await _exchange(relay.port, [head])
-    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 405 ")), answer
     assert [line["path"] for line in access_lines] == [logged]
+    assert "s3cret" not in json.dumps(access_lines)
 
 
 async def test_the_405_for_connect_lists_the_methods_relay_forwards(tmp_path: Path) -> None:
