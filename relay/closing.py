@@ -300,6 +300,16 @@ class Closing:
             return True
         return now - since < SPLICE_FIN_WAIT_S
 
+    def discarding(self) -> None:
+        """The active request was answered by relay (a refusal, a failed dial) before its body
+        ended, and the connection is kept: what is left of the body is only read and dropped.
+        The client gets ``listen.header_timeout_s`` to send it, as it gets for a head, then
+        ``head_timed_out`` closes. Without a deadline a client that announced a body and never
+        sent it held the connection for ever, with no credential and no upstream: the header
+        timeout's slowloris bound was sidestepped by one Content-Length (found by review).
+        nginx bounds the discarding of a body too (``lingering_timeout``)."""
+        self.relay.timers.expect_head(self)
+
     def abort(self) -> None:
         self.relay.outbox.flush()
         self.closing = True
@@ -307,7 +317,12 @@ class Closing:
             self.transport.abort()
 
     def head_timed_out(self) -> None:
-        """``listen.header_timeout_s`` passed without a complete request head (slowloris)."""
+        """``listen.header_timeout_s`` passed without a complete request head (slowloris), or
+        without the rest of the body of a request relay answered itself (``discarding``)."""
+        active = self.active
+        if active is not None and active.answered() and not active.request_complete:
+            self.close()  # a lingering close, itself bounded (CLOSE_GRACE_S, LINGER_TOTAL_S)
+            return
         if self.active is not None or self._paused & PAUSE_CLIENT_FULL:
             # A pipelined head trickling in behind a long response: the response may run
             # for hours (a command stream), so only the head's own wait is restarted. So too

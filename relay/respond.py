@@ -173,6 +173,8 @@ class Respond:
         self._pending = []
         if self.request_complete or not keep:
             self._finish()
+        else:
+            self.client.discarding()  # the rest of the body is dropped, within a deadline
 
     def _discard_ok(self) -> bool:
         if self.request_complete:

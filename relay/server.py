@@ -437,6 +437,8 @@ class ClientConnection(Slices, asyncio.Protocol):
         # (on an idle core every line before it is latency; bench/README.md, "cold requests").
         if not read:  # a replayed head started no deadline (_replay)
             self.relay.timers.head_done(self)
+            if exchange.answered() and not exchange.request_complete:
+                self.discarding()  # answered within start(): its deadline was just ended
 
     def on_message_complete(self) -> None:
         # The next head's bytes count from here (the limit and the 408 of a partial head,
@@ -455,6 +457,8 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._at_start = self._keep
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
+            if receiving.answered():
+                self.relay.timers.head_done(self)  # its body's deadline (discarding) is met
             receiving.request_done()
             if self.write_paused:
                 self._hold_unread()  # its body is over

@@ -127,6 +127,42 @@ async def test_a_slow_body_is_not_a_slow_head(hostile: Hostile) -> None:
     assert bodies == [body]
 
 
+async def test_a_refused_request_cannot_hold_its_connection_with_a_body_it_never_sends(
+    hostile: Hostile,
+) -> None:
+    """A refused request (here 401: no token) whose announced body never comes: relay has
+    answered and has nothing to wait for but bytes it will drop. Without a deadline an
+    unauthenticated client held the connection (and its listen.max_connections slot) for
+    ever, the header timeout's slowloris bound sidestepped by one Content-Length. It gets
+    the header timeout to send the rest, then a (lingering) close, as nginx bounds the
+    discarding of a body (lingering_timeout)."""
+    async with connected(hostile.port) as conn:
+        await conn.send(request_bytes("POST", "/files", hostile.envd, [("Content-Length", "1000")]))
+        response = await conn.read_response(timeout=3)
+        assert response.status == 401
+        started = time.monotonic()
+        closed = await conn.closed_by_peer(HEADER_TIMEOUT_S + 3)
+        assert closed, "relay still holds the refused request's connection"
+        assert time.monotonic() - started < HEADER_TIMEOUT_S + 3
+
+
+async def test_a_refused_requests_body_sent_in_time_keeps_the_connection(
+    hostile: Hostile,
+) -> None:
+    """The deadline above does not cut a client that sends the body it announced in time:
+    the body is dropped and the connection serves the next request."""
+    async with connected(hostile.port) as conn:
+        await conn.send(request_bytes("POST", "/files", hostile.envd, [("Content-Length", "4")]))
+        assert (await conn.read_response(timeout=3)).status == 401
+        await asyncio.sleep(HEADER_TIMEOUT_S / 2)
+        await conn.send(b"body")
+        await asyncio.sleep(HEADER_TIMEOUT_S)  # past the deadline the body beat
+        await conn.send(request_bytes("GET", "/after", hostile.app))
+        after = await conn.read_response(timeout=3)
+    assert after.status == 200
+    assert after.body == b"GET /after 0"
+
+
 # -- big heads ---------------------------------------------------------------------------------
 
 
