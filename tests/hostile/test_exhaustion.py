@@ -181,6 +181,25 @@ async def test_header_section_over_the_limit_is_431(hostile: Hostile) -> None:
     await refused_431(hostile, head + fields + b"\r\n")
 
 
+async def test_a_whole_head_over_the_limit_gets_a_section_5_431(hostile: Hostile) -> None:
+    """A head relay read whole before finding it over listen.max_header_bytes is refused with
+    what its fields ask of any of relay's errors (SPEC §5): Access-Control-Allow-Origin for
+    an Origin (a page's oversized cookies got a CORS failure instead of the 431), and no
+    content after the head for a HEAD (RFC 9110 §9.3.2)."""
+    fields = b"".join(b"X-Field-%d: %s\r\n" % (i, b"v" * 200) for i in range(80))
+    head = f"GET / HTTP/1.1\r\nHost: {hostile.app}\r\nOrigin: https://a.b\r\n".encode()
+    response, closed = await exchange(hostile.port, head + fields + b"\r\n")
+    assert response.status == 431
+    assert response.header("Access-Control-Allow-Origin") == "*"
+    assert closed
+    async with connected(hostile.port) as conn:
+        await conn.send(f"HEAD / HTTP/1.1\r\nHost: {hostile.app}\r\n".encode() + fields + b"\r\n")
+        answer = await read_until_closed(conn, 3)
+    assert answer is not None
+    assert answer.startswith(b"HTTP/1.1 431 "), answer
+    assert answer.endswith(b"\r\n\r\n"), answer
+
+
 async def test_one_huge_line_without_crlf_is_431(hostile: Hostile) -> None:
     for raw in (
         f"GET / HTTP/1.1\r\nHost: {hostile.app}\r\nX-Long: ".encode() + b"v" * 200_000,
@@ -271,6 +290,58 @@ async def test_listen_max_connections(tmp_path: Path, recorder: Recorder) -> Non
         again = await request(relay.port, "GET", "/again", host)
         assert again.status == 200
         assert again.body == b"GET /again 0"
+
+
+async def test_listen_max_connections_answer_is_a_section_5_error(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """The 503 past listen.max_connections is one of relay's errors like any other (SPEC §5):
+    with an Origin it carries Access-Control-Allow-Origin, so that a page's script can read
+    its status and Retry-After instead of a CORS failure, and a browser page load gets the
+    HTML page. relay has read the whole head when it answers, as it does for every refusal."""
+    host = f"{recorder.ports['app']}-open.{DOMAIN}"
+    overrides = {"listen": {"max_connections": 1, "header_timeout_s": 5}}
+    async with running_relay(tmp_path, [route("open", insecure=True)], overrides) as relay:
+        held = await Connection.open(relay.port)
+        try:
+            await held.send(request_bytes("GET", "/held", host))
+            assert (await held.read_response()).status == 200
+            cors = await request(relay.port, "GET", "/over", host, [("Origin", "https://a.b")])
+            assert cors.status == 503
+            assert cors.header("Access-Control-Allow-Origin") == "*"
+            page = await request(
+                relay.port,
+                "GET",
+                "/over",
+                host,
+                [("Accept", "text/html"), ("Sec-Fetch-Mode", "navigate")],
+            )
+            assert page.status == 503
+            assert page.header("Content-Type") == "text/html; charset=utf-8"
+        finally:
+            await held.close()
+
+
+async def test_listen_max_connections_answer_to_head_has_no_content(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """The 503 past listen.max_connections answers a HEAD with the head alone (RFC 9110
+    §9.3.2), as every other answer relay makes does: its JSON body followed the head."""
+    host = f"{recorder.ports['app']}-open.{DOMAIN}"
+    overrides = {"listen": {"max_connections": 1, "header_timeout_s": 5}}
+    async with running_relay(tmp_path, [route("open", insecure=True)], overrides) as relay:
+        held = await Connection.open(relay.port)
+        try:
+            await held.send(request_bytes("GET", "/held", host))
+            assert (await held.read_response()).status == 200
+            async with connected(relay.port) as conn:
+                await conn.send(request_bytes("HEAD", "/over", host))
+                answer = await read_until_closed(conn, 3)
+            assert answer is not None
+            assert answer.startswith(b"HTTP/1.1 503 "), answer
+            assert answer.endswith(b"\r\n\r\n"), answer
+        finally:
+            await held.close()
 
 
 async def test_per_sandbox_max_connections(hostile: Hostile) -> None:
