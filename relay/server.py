@@ -399,7 +399,9 @@ class ClientConnection(Slices, asyncio.Protocol):
         self.requests += 1
         self._read_pieces += len(headers) // FIELDS_PER_EVENT  # a head of many fields (flow)
         self._moved = True
-        if size > self.relay.config.listen.max_header_bytes:
+        # SPEC §5a precedence: CONNECT (405, decide's first answer) before framing (431); a
+        # CONNECT head over the limit was answered 431 (found by review). Both close.
+        if size > self.relay.config.listen.max_header_bytes and method != b"CONNECT":
             self.relay.timers.head_done(self)
             # In order, as above; answered as the request asks (CORS, HEAD), as it was parsed.
             refused = RequestHead(method=method, target=target, version=version, headers=headers)

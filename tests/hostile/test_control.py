@@ -313,6 +313,20 @@ async def test_connect_is_refused_wherever_it_points(hostile: Hostile, target: s
         assert await hostile.recorder.nothing_since(mark, settle=0.02)
 
 
+async def test_connect_with_a_head_over_the_limit_is_still_405(hostile: Hostile) -> None:
+    """SPEC §5a precedence: CONNECT (405) comes before framing (400/431). A CONNECT whose whole
+    head arrived, over listen.max_header_bytes, was answered 431: the size was checked before
+    decide() saw the method."""
+    big = "X-Big: " + "b" * 17000 + "\r\n"
+    raw = f"CONNECT {hostile.envd}:443 HTTP/1.1\r\nHost: {hostile.envd}\r\n{big}\r\n".encode()
+    mark = hostile.recorder.mark()
+    response, closed = await exchange(hostile.port, raw)
+    assert response.status == 405, response.body
+    assert body_json(response)["message"] == "CONNECT is not supported"
+    assert closed
+    assert await hostile.recorder.nothing_since(mark, settle=0.02)
+
+
 @pytest.mark.parametrize(
     "headers",
     [
