@@ -139,6 +139,26 @@ async def test_traffic_token_required(relay: RelayUnderTest, upstream: Upstream)
     assert upstream.seen == []
 
 
+@pytest.mark.parametrize("value", ["", " ", "\t"])
+async def test_an_empty_traffic_token_is_a_missing_one(
+    relay: RelayUnderTest, upstream: Upstream, value: str
+) -> None:
+    """E2B's proxy reads the token with Go's Header.Get, which gives "" for an empty field as
+    for none, and answers "is missing" for both; relay said "is invalid". An empty
+    X-Access-Token is no token either (README, Decisions)."""
+    raw = f"GET / HTTP/1.1\r\nHost: {app_host(upstream.port)}\r\n"
+    raw += f"E2b-Traffic-Access-Token:{value}\r\n\r\n"
+    conn = await Connection.open(relay.port)
+    try:
+        await conn.send(raw.encode())
+        response = await conn.read_response()
+    finally:
+        await conn.close()
+    assert response.status == 403
+    assert "is missing" in str(response.json())
+    assert upstream.seen == []
+
+
 async def test_keep_alive_reuses_one_upstream_connection(
     relay: RelayUnderTest, upstream: Upstream
 ) -> None:

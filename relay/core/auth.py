@@ -201,7 +201,9 @@ def check_traffic(token_values: list[bytes] | None, route: Route) -> Reject | No
     """Application ports: the route's traffic token, when it has one (SPEC §2)."""
     if route.traffic_token is None:
         return None
-    if not token_values:
+    # An empty field is no token, as E2B's proxy reads it (Go's Header.Get gives "" for both,
+    # and "" is "missing"); llhttp leaves the spaces and tabs after a value on it.
+    if not token_values or not token_values[0].strip(b" \t"):
         return Reject(reason=Reason.TRAFFIC_TOKEN_MISSING, sandbox_id=route.sandbox_id)
     if not tokens_equal(token_values[0], route.traffic_token):
         return Reject(reason=Reason.TRAFFIC_TOKEN_INVALID, sandbox_id=route.sandbox_id)
