@@ -238,7 +238,7 @@ class Closing:
         size = transport.get_write_buffer_size()
         # And what the kernel still queues for the client: a TLS connection stays open for its
         # closing handshake, and a cut there (an abort) resets what the kernel had not sent yet.
-        return size + _unsent(self.below) if self.below is not None else size
+        return size + unsent(self.below) if self.below is not None else size
 
     def close_now(self) -> None:
         """Close without lingering (relay is stopping)."""
@@ -292,7 +292,7 @@ class Closing:
         # What the upstream took: what relay passed on, less what still waits in its buffer.
         # (Not what relay passed on alone, which cannot move while the client is paused: the
         # next review found a splice cut while its upstream read steadily.)
-        taken = splice.bytes_in - _unsent(splice.upstream.transport)
+        taken = splice.bytes_in - unsent(splice.upstream.transport)
         now = self.relay.timers.now()
         before, since = self._fin_progress
         if taken != before:
@@ -387,7 +387,7 @@ class Closing:
         self._refusal, self._refused_head = reject, head
 
 
-def _unsent(transport: asyncio.Transport | None) -> int:
+def unsent(transport: asyncio.Transport | None) -> int:
     """Bytes written to ``transport`` that its peer has not taken: in its buffer, and in the
     kernel's send queue (TIOCOUTQ: unsent or not yet acknowledged). The user-space buffer
     alone moves in bursts, when the kernel's queue has room for a third of it again."""

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
+from relay.closing import unsent
 from relay.core.model import PoolKey
 from relay.outbox import Outbox
 from relay.timers import CLOSE_GRACE_S
@@ -146,8 +147,9 @@ class UpstreamConnection(asyncio.Protocol):
         ``transport.close()`` waits for the write buffer to drain, for ever if the upstream
         never reads (uvloop has no close timeout): an app that answered without reading its
         request, or hangs, would keep the socket and its buffer. So a close with bytes still
-        queued is given the grace period and then aborted by the pool's sweep. Until then the
-        bytes still go out: a WebSocket's last frames, its Close frame included.
+        queued is aborted by the pool's sweep once the upstream took none of them for the grace
+        period. Until then the bytes still go out: a WebSocket's last frames, its Close frame
+        included.
         """
         self.pool.outbox.flush()  # what was written before the close goes out before it
         transport = self.transport
@@ -203,8 +205,9 @@ class Pool:
         self.source_address = source_address or None
         self._clock = clock
         self._idle: dict[PoolKey, list[UpstreamConnection]] = {}
-        # Closed with bytes still queued (UpstreamConnection.close): when, for the sweep.
-        self._closing: dict[UpstreamConnection, float] = {}
+        # Closed with bytes still queued (UpstreamConnection.close), for the sweep: what was
+        # left to take at the close or the upstream's last progress, and when.
+        self._closing: dict[UpstreamConnection, tuple[int, float]] = {}
         self.opened = 0  # open upstream connections, idle or in use
 
     def acquire(self, key: PoolKey) -> UpstreamConnection | None:
@@ -237,7 +240,7 @@ class Pool:
         idle.append(conn)
 
     def closing_slowly(self, conn: UpstreamConnection) -> None:
-        self._closing[conn] = self._clock()
+        self._closing[conn] = (unsent(conn.transport), self._clock())
 
     def forget(self, conn: UpstreamConnection) -> None:
         """The connection is gone (``connection_lost``)."""
@@ -261,13 +264,21 @@ class Pool:
 
     def sweep(self) -> None:
         """Close connections idle for longer than the upstream keep-alive timeout; abort
-        those still draining their write buffer after ``CLOSE_GRACE_S``."""
+        those still draining their write buffer when the upstream took none of it for
+        ``CLOSE_GRACE_S``. Not a grace from the close: an app that reads a WebSocket's last
+        frames steadily but slowly lost their tail, its Close frame included (found by review;
+        as nginx's ``proxy_send_timeout``, the wait runs between two reads of the peer). What
+        is left counts the kernel's queue, where the user-space buffer moves only in bursts."""
         if self._closing:
-            late = self._clock() - CLOSE_GRACE_S
-            for conn in [c for c, since in self._closing.items() if since <= late]:
-                del self._closing[conn]
-                if conn.transport is not None:
-                    conn.transport.abort()
+            now = self._clock()
+            for conn, (before, since) in list(self._closing.items()):
+                left = unsent(conn.transport)
+                if left < before:
+                    self._closing[conn] = (left, now)
+                elif now - since >= CLOSE_GRACE_S:
+                    del self._closing[conn]
+                    if conn.transport is not None:
+                        conn.transport.abort()
         cutoff = self._clock() - self.idle_timeout_s
         for key in list(self._idle):
             idle = self._idle[key]
