@@ -266,7 +266,10 @@ class Respond:
             headers,
             self.head.method,
             self.head.version,
-            self.keep_alive,
+            # An answer before the request body ended: the client connection is closed after
+            # it (response_end), and the head says so (RFC 9112 §9.6, RFC 9110 §10.1.1; Go's
+            # server too). Found by review: a client told nothing took it for a kept one.
+            self.keep_alive and self.request_complete,
             decision.websocket,
         )
         if plan.unrelayable:
