@@ -92,6 +92,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.pool.opened += 1
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return  # closed with bytes still on their way to it (close): what it sends is dropped
         if self.owner is not None:
             self.owner.upstream_data(data)
         else:
@@ -99,7 +101,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.pool.outbox.flush()  # uvloop closes the transport on return: held bytes first
-        if self.owner is not None:
+        if self.owner is not None and not self.closed:  # closed: read on only to drop (close)
             self.owner.upstream_eof()
         return False
 
@@ -142,22 +144,33 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
-        """Close once what was written has gone out, but not after ``CLOSE_GRACE_S``.
+        """Close once what was written has reached the upstream, or it took none of it for
+        ``CLOSE_GRACE_S``.
 
         ``transport.close()`` waits for the write buffer to drain, for ever if the upstream
         never reads (uvloop has no close timeout): an app that answered without reading its
         request, or hangs, would keep the socket and its buffer. So a close with bytes still
         queued is aborted by the pool's sweep once the upstream took none of them for the grace
         period. Until then the bytes still go out: a WebSocket's last frames, its Close frame
-        included.
+        included. They go out before a half-close (a FIN), and relay goes on reading, and
+        dropping, what the upstream sends meanwhile: ``transport.close()`` stops reading, and a
+        socket closed with unread bytes is reset, which discards what the kernel had not sent
+        yet (RFC 9293 §3.6.1; found by review: an app streaming frames to its client lost the
+        client's last frames and its Close frame). The sweep closes it once all of it reached
+        the upstream, or the upstream's own close does.
         """
         self.pool.outbox.flush()  # what was written before the close goes out before it
         transport = self.transport
         if transport is not None and not self.closed:
             self.closed = True
-            transport.close()
-            if transport.get_write_buffer_size():
+            if unsent(transport):
+                transport.write_eof()  # sent once the buffer is
+                if self.read_paused:
+                    self.read_paused = False
+                    transport.resume_reading()  # to drop what comes, and see its close
                 self.pool.closing_slowly(self)
+            else:
+                transport.close()
         self.drop_reader()
 
     def abort(self) -> None:
@@ -272,13 +285,18 @@ class Pool:
         if self._closing:
             now = self._clock()
             for conn, (before, since) in list(self._closing.items()):
-                left = unsent(conn.transport)
-                if left < before:
+                transport = conn.transport
+                left = unsent(transport)
+                if transport is None:
+                    del self._closing[conn]
+                elif not left:
+                    del self._closing[conn]
+                    transport.close()  # all of it reached the upstream: nothing left to lose
+                elif left < before:
                     self._closing[conn] = (left, now)
                 elif now - since >= CLOSE_GRACE_S:
                     del self._closing[conn]
-                    if conn.transport is not None:
-                        conn.transport.abort()
+                    transport.abort()
         cutoff = self._clock() - self.idle_timeout_s
         for key in list(self._idle):
             idle = self._idle[key]

@@ -58,29 +58,37 @@ def test_an_upstream_that_answered_without_reading_leaves_the_client_readable(
     assert wired.client_transport.reading
     assert not wired.client._paused & PAUSE_UPSTREAM_FULL
     assert wired.relay.pool.idle_count() == 0
-    assert wired.upstream_transport.events[-1] == ("close", b"")
+    assert wired.upstream_transport.events[-1] == ("eof", b"")  # closed after its buffer
 
 
 @pytest.mark.parametrize(
-    ("buffered", "lost", "events"),
-    [(0, False, ["close"]), (1, False, ["close", "abort"]), (1, True, ["close"])],
-    ids=["drained", "never-drained", "drained-in-time"],
+    ("buffered", "end", "events"),
+    [
+        (0, "", ["close"]),
+        (1, "", ["eof", "abort"]),
+        (1, "lost", ["eof"]),
+        (1, "delivered", ["eof", "close"]),
+    ],
+    ids=["drained", "never-drained", "closed-by-the-upstream", "delivered"],
 )
 def test_an_upstream_close_that_cannot_drain_is_aborted_after_a_grace_period(
-    wired: Wired, monkeypatch: pytest.MonkeyPatch, buffered: int, lost: bool, events: list[str]
+    wired: Wired, monkeypatch: pytest.MonkeyPatch, buffered: int, end: str, events: list[str]
 ) -> None:
     """transport.close() waits for the write buffer to drain, for ever if the upstream never
     reads: the pool's sweep aborts a connection still draining after CLOSE_GRACE_S. Until
-    then its bytes still go out (a WebSocket's Close frame, below)."""
+    then its bytes still go out (a WebSocket's Close frame, below), before a half-close, and
+    the connection is closed once they are all out (or by the upstream)."""
     conn = UpstreamConnection(wired.relay.pool, PoolKey("sbx", 0, "127.0.0.1", 3000))
     transport = Recorder(("127.0.0.1", 3000))
     conn.connection_made(transport)  # type: ignore[arg-type]
     transport.buffered = buffered
     conn.close()
     wired.relay.pool.sweep()
-    assert transport.events == [("close", b"")]  # within the grace period
-    if lost:
-        conn.connection_lost(None)  # the bytes went out and the close completed
+    assert [kind for kind, _ in transport.events] == events[:1]  # within the grace period
+    if end == "lost":
+        conn.connection_lost(None)  # the upstream closed and the close completed
+    elif end == "delivered":
+        transport.buffered = 0  # all of it went out
     monkeypatch.setattr(upstreams, "CLOSE_GRACE_S", 0.0)
     wired.relay.pool.sweep()
     assert [kind for kind, _ in transport.events] == events
@@ -104,7 +112,7 @@ def test_a_websockets_last_frames_to_a_slow_upstream_are_not_discarded(wired: Wi
     wired.client.connection_lost(None)
     wired.turns.end()
     assert wired.upstream_transport.data.endswith(close_frame)
-    assert wired.upstream_transport.events[-1] == ("close", b"")
+    assert wired.upstream_transport.events[-1] == ("eof", b"")  # after the frame, not a reset
 
 
 def test_head_with_a_body_and_an_upstream_reset_ends_cleanly(

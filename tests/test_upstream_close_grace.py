@@ -13,6 +13,7 @@ side must too (nginx's ``proxy_send_timeout`` likewise counts between two writes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from pathlib import Path
@@ -24,9 +25,13 @@ from tests.support.harness import DOMAIN, route, running_relay, until
 from tests.test_websocket_departure import HS_RESP, masked_binary, masked_close
 
 
+@pytest.mark.parametrize("chatty", [False, True], ids=["reads-only", "sends-meanwhile"])
 async def test_a_closed_upstream_that_reads_steadily_gets_every_byte(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chatty: bool
 ) -> None:
+    """And one that sends its client frames meanwhile (found by the same review): relay stopped
+    reading it at the close, and the socket, closed with those frames unread, was reset, which
+    discarded what the kernel had not sent yet, the client's Close frame among it."""
     # The grace cut to 0.5 s so that the test is short; the upstream takes ~50 KB/s for ~1 s
     # after the close, never pausing for more than 0.1 s.
     monkeypatch.setattr(upstreams, "CLOSE_GRACE_S", 0.5)
@@ -41,7 +46,8 @@ async def test_a_closed_upstream_that_reads_steadily_gets_every_byte(
     port = listener.getsockname()[1]
 
     def app() -> None:
-        """Reads 1 KB every 20 ms (~50 KB/s), at the socket, until the close."""
+        """Reads 1 KB every 20 ms (~50 KB/s), at the socket, until the close; chatty, it
+        sends a frame of its own each time too."""
         conn, _ = listener.accept()
         with conn:
             conn.settimeout(5)
@@ -57,6 +63,9 @@ async def test_a_closed_upstream_that_reads_steadily_gets_every_byte(
                 if not chunk:
                     break
                 received.extend(chunk)
+                if chatty:
+                    with contextlib.suppress(OSError):
+                        conn.send(b"\x81\x02hi")  # a text frame to the client, unmasked
                 time.sleep(0.02)
 
     app_done = asyncio.get_running_loop().run_in_executor(None, app)
