@@ -36,7 +36,7 @@ from relay.server import ClientConnection
 from relay.startup import binding, check_parsers
 from relay.timers import Timers
 from relay.tls import ReloadableContext
-from relay.upstreams import Pool
+from relay.upstreams import Pool, keep_alive_probes
 
 log = logging.getLogger("relay")
 
@@ -348,6 +348,7 @@ class Relay:
                 )
             self._servers.append(server)
             for sock in server.sockets:
+                keep_alive_probes(sock)  # inherited by each accepted connection
                 name = sock.getsockname()
                 self.bound.append((name[0], name[1]))
         self.spawn(self.feed.run())

@@ -34,6 +34,27 @@ log = logging.getLogger("relay.upstream")
 # SPEC §4 / E2B's SandboxProxyRetries: envd's port forwarding can lag the route by up to 1 s.
 RETRY_DELAYS_S = (0.1, 0.2, 0.3, 0.4)
 
+# TCP keepalive on every connection relay holds, both sides: probes after 15 s of silence, every
+# 15 s, 9 unanswered ones end it (Go's net defaults, so E2B's proxy and envd's own listener do
+# the same). SPEC §4 sets no read timeout on an established exchange (commands run for hours),
+# so a peer that vanished without a FIN or RST (a guest or a laptop gone, a NAT entry dropped)
+# would otherwise hold its exchange, its upstream connection and its sandbox's in-flight slot
+# until something is written to it. Probed, it is ended after ~150 s.
+KEEPALIVE_OPTIONS = (
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 15),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 15),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 9),
+)
+
+
+def keep_alive_probes(sock: socket.socket) -> None:
+    """Turn on :data:`KEEPALIVE_OPTIONS`. Set on a listening socket, Linux copies them to every
+    connection it accepts (the listener's socket is cloned), so the client side pays nothing
+    per connection; tests/test_keepalive_probes.py reads them back from accepted ones."""
+    for level, option, value in KEEPALIVE_OPTIONS:
+        sock.setsockopt(level, option, value)
+
 
 class Owner(Protocol):
     """What an upstream connection reports to the exchange currently using it."""
@@ -89,6 +110,7 @@ class UpstreamConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive_probes(sock)
         self.pool.opened += 1
 
     def data_received(self, data: bytes) -> None:
