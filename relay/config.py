@@ -11,7 +11,6 @@ import dataclasses
 import ipaddress
 import math
 import os
-import re
 import tomllib
 import types
 import typing
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from relay.addresses import is_dns_name, overlap, parse_http_url, split_address
 from relay.core.decide import Settings
 from relay.core.routes import Network
 
@@ -350,21 +350,11 @@ def _check_distinct_addresses(config: Config) -> None:
         for other_key, other in seen:
             other_host, other_port = split_address(other) or ("", 0)
             _check(
-                port == 0 or port != other_port or not _overlap(host, other_host),
+                port == 0 or port != other_port or not overlap(host, other_host),
                 key,
                 f"{address} is {other_key} already",
             )
         seen.append((key, address))
-
-
-def _overlap(a: str, b: str) -> bool:
-    try:
-        ips = ipaddress.ip_address(a), ipaddress.ip_address(b)
-    except ValueError:
-        return a.lower() == b.lower()  # host names: only the same name is known to clash
-    if ips[0].version != ips[1].version:
-        return False
-    return ips[0] == ips[1] or ips[0].is_unspecified or ips[1].is_unspecified
 
 
 def url_password(url: str) -> str | None:
@@ -447,20 +437,6 @@ def _check_redis_secrets(routes: Routes) -> None:
     )
 
 
-# A DNS label as a Host can carry it (RFC 1123 §2.1; "_" tolerated, as resolvers do).
-_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\Z")
-
-
-def is_dns_name(domain: str) -> bool:
-    """A routing domain a Host can end with: ASCII labels, in any case, one root dot allowed.
-
-    Anything else (a port, a ``*.`` wildcard, a scheme, an empty name) matched no Host, and
-    relay answered every Host-form request 404 "No sandbox in the request" (found by review).
-    """
-    name = domain.lower().removesuffix(".")
-    return 0 < len(name) <= 253 and all(_LABEL.match(label) for label in name.split("."))
-
-
 def _check_redis_options(url: str) -> None:
     """The URL's options as redis-py takes them when the feed connects (``?socket_timeout=``,
     ``?protocol=``, an option it does not know...): refused there, the feed task died with a
@@ -479,59 +455,3 @@ def _check_redis_options(url: str) -> None:
         raise ConfigError(
             f"routes.redis_url: redis-py cannot use it ({type(exc).__name__})"
         ) from None
-
-
-def split_address(address: str) -> tuple[str, int] | None:
-    """``host:port`` or ``[v6]:port`` → (host, port)."""
-    host, sep, port = address.rpartition(":")
-    # isascii: str.isdigit() also accepts digits int() refuses ("²"); at most 5 digits, as
-    # int() refuses strings past 4,300 digits with a ValueError (found by review).
-    if (
-        not sep
-        or not (port.isascii() and port.isdigit() and len(port) <= 5)
-        or not 0 <= int(port) <= 65535
-    ):
-        return None
-    if not host:
-        return None
-    # The host must be one: an IPv6 address (bracketed or not: the last colon ends it), an
-    # IPv4 address or a DNS name. Anything else failed only at bind time, exit 1 "Unknown
-    # error -2", while check-config passed it (found by review).
-    bracketed = host.startswith("[") and host.endswith("]")
-    if bracketed or ":" in host:
-        host = host[1:-1] if bracketed else host
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            return None
-    elif not is_dns_name(host):
-        return None
-    return host, int(port)
-
-
-def parse_http_url(url: str) -> tuple[str, int] | None:
-    """``http://host[:port]`` (no path) → (host, port); the management upstream's form."""
-    if not url.startswith("http://"):
-        return None
-    rest = url[len("http://") :].rstrip("/")
-    # No userinfo and no blank: "http://user:pass@h:80" was taken as the host "user:pass@h",
-    # which no request could reach, and check-config printed the password (found by review).
-    if "/" in rest or not rest or "@" in rest or any(c.isspace() for c in rest):
-        return None
-    if rest.count(":") == 0 or (rest.startswith("[") and rest.endswith("]")):
-        host, port = rest, 80
-    else:
-        parsed = split_address(rest)
-        if parsed is None:
-            return None
-        host, port = rest.rpartition(":")[0], parsed[1]
-    # The host as written must be one (RFC 3986 §3.2.2): an IPv6 address in brackets, an IPv4
-    # address or a DNS name. "user:pw@10.0.0.1" was dialled as a name (every API request 502)
-    # and check-config printed its password (found by review).
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            return None
-        return host[1:-1], port
-    return (host, port) if is_dns_name(host) else None

@@ -27,7 +27,8 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from relay.config import Config, ConfigError, in_networks, load, networks, parse_http_url
+from relay.addresses import parse_http_url
+from relay.config import Config, ConfigError, in_networks, load, networks
 from relay.tlscheck import uncovered_domains
 
 if TYPE_CHECKING:

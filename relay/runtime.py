@@ -20,7 +20,8 @@ from aiohttp import web
 
 from relay import admin, netlink
 from relay.accesslog import ACCESS_LOG
-from relay.config import Config, in_networks, networks, parse_http_url, split_address
+from relay.addresses import parse_http_url, split_address
+from relay.config import Config, in_networks, networks
 from relay.core import failures
 from relay.core.decide import FeedState, Settings
 from relay.core.feed import freshness

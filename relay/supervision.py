@@ -11,7 +11,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from relay.config import Config, ConfigError, split_address
+from relay.addresses import split_address
+from relay.config import Config, ConfigError
 from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV
 from relay.preflight import host_checks
 

@@ -45,7 +45,8 @@ from typing import Any
 from aiohttp import web
 
 from relay import admin, systemd
-from relay.config import Config, load, split_address
+from relay.addresses import split_address
+from relay.config import Config, load
 from relay.lifecycle import WORKER_FORCE_SIGNAL
 from relay.startup import binding
 from relay.supervision import (

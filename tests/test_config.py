@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from relay.__main__ import main, redacted
-from relay.config import ConfigError, load, parse, split_address
+from relay.addresses import split_address
+from relay.config import ConfigError, load, parse
 from tests.support.harness import serve_until_exit
 from tests.support.ports import free_port
 
