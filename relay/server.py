@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relay.server")
 
+HEAD_TOO_LARGE = Reject(reason=Reason.HEADERS_TOO_LARGE)
 # A request's trailer section past listen.max_header_bytes (SPEC §5a bounds the head; llhttp
 # bounds neither): relay does not forward trailers, and bounds them as it bounds the head.
 TRAILERS_TOO_LARGE = Reject(reason=Reason.HEADERS_TOO_LARGE, detail="Request trailers too large")
@@ -259,7 +260,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         if self._in_head:
             if self._head_raw > limit:
                 # After any earlier pipelined responses, not inside one (RFC 9112 §9.3.2).
-                self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE))
+                self._unparseable(HEAD_TOO_LARGE)
         elif self._moved:
             self._stalled = 0
             if self._mid_message and self._keep:
@@ -273,7 +274,11 @@ class ClientConnection(Slices, asyncio.Protocol):
             # the head is bounded.
             self._stalled += len(data)
             if self._stalled > limit:
-                self._unparseable(TRAILERS_TOO_LARGE)
+                # Between messages they are empty lines before a request line (RFC 9112
+                # §2.2), which count as its head: "trailers" named what never began (found
+                # by review).
+                too_large = TRAILERS_TOO_LARGE if self._mid_message else HEAD_TOO_LARGE
+                self._unparseable(too_large)
 
     def _replay(self, data: bytes, known: KnownRequest) -> None:
         """llhttp's callbacks for a request head it parsed before, in its order (relay.heads):
@@ -405,7 +410,7 @@ class ClientConnection(Slices, asyncio.Protocol):
             self.relay.timers.head_done(self)
             # In order, as above; answered as the request asks (CORS, HEAD), as it was parsed.
             refused = RequestHead(method=method, target=target, version=version, headers=headers)
-            self._unparseable(Reject(reason=Reason.HEADERS_TOO_LARGE), refused)
+            self._unparseable(HEAD_TOO_LARGE, refused)
             return
         last = self._last
         if last is not None and last[1] is known:

@@ -748,3 +748,21 @@ def test_a_big_cookie_does_not_make_an_uploads_chunks_dense(tmp_path: Path, cook
     wired = make_wired(tmp_path, busy=1 << 30)
     wired.client.data_received(head.encode() + chunks(64, 100))
     assert not wired.client._sliced
+
+
+@pytest.mark.parametrize("reads", [1, 10])
+def test_empty_lines_past_the_head_limit_are_a_head_too_large_not_trailers(
+    tmp_path: Path, reads: int
+) -> None:
+    """Found by review: empty lines before a request line (RFC 9112 §2.2 lets a server ignore
+    a few) past listen.max_header_bytes were refused 431 "Request trailers too large", though
+    no request had begun: they count as the head they precede."""
+    wired = make_wired(tmp_path, busy=1 << 30)
+    lines = b"\r\n" * 15_000
+    size = len(lines) // reads
+    for i in range(reads):
+        wired.client.data_received(lines[i * size : (i + 1) * size])
+    run_turns(wired)
+    assert wired.client_transport.data.startswith(b"HTTP/1.1 431 ")
+    assert b"trailers" not in wired.client_transport.data
+    assert wired.client.closing
