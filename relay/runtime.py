@@ -304,11 +304,16 @@ class Relay:
             log.error("background task failed", exc_info=task.exception())
 
     async def _sweeper(self) -> None:
+        # Each step guarded: a bug that raises in one is logged and the next sweep runs. The
+        # task ending stopped every client deadline and the pool's sweep in the worker for
+        # good (found by review; relay.timers guards each connection's deadline too).
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            self.timers.sweep()
-            self.pool.sweep()
-            ACCESS_LOG.flush()
+            for step in (self.timers.sweep, self.pool.sweep, ACCESS_LOG.flush):
+                try:
+                    step()
+                except Exception:
+                    log.exception("internal error in the periodic sweep")
 
     # -- start and stop ---------------------------------------------------------------------------
     async def start(self) -> None:

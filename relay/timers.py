@@ -9,9 +9,13 @@ after a grace period; a client relay has stopped reading is asked every
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger("relay.server")
 
 CLOSE_GRACE_S = 5.0
 # While relay does not read a client (its upstream takes no more of the body, or a pipelined
@@ -111,13 +115,28 @@ class Timers:
     def sweep(self) -> None:
         now = self._clock()
         for conn in _expired(self._head, now - self.header_timeout_s):
-            conn.head_timed_out()
+            _guarded(conn, conn.head_timed_out)
         for conn in _expired(self._idle, now - self.idle_timeout_s):
-            conn.close()
+            _guarded(conn, conn.close)
         for conn in _expired(self._closing, now - CLOSE_GRACE_S):
-            conn.close_expired()
+            _guarded(conn, conn.close_expired)
         for conn in _expired(self._paused, now - PEER_CHECK_S):
-            conn.check_peer()  # which calls paused() again while the pause lasts
+            _guarded(conn, conn.check_peer)  # which calls paused() again while the pause lasts
+
+
+def _guarded(conn: Waiting, deadline: Callable[[], None]) -> None:
+    """One connection's deadline; a bug in it ends that connection, not the sweep.
+
+    An exception here used to leave ``sweep`` and end the sweeping task: from then on no
+    header, idle or closing deadline and no pool sweep ran in that worker (found by review:
+    a 408 written after a FIN raised). It is logged as the bug it is, and the connection
+    is cut."""
+    try:
+        deadline()
+    except Exception:
+        log.exception("internal error in a client connection's deadline")
+        with contextlib.suppress(Exception):
+            conn.abort()
 
 
 def _expired(started: dict[Waiting, float], cutoff: float) -> list[Waiting]:

@@ -12,7 +12,7 @@ import pytest
 
 from relay.core.model import RequestHead
 from tests.support.fake_app import FakeApp
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, until
 from tests.support.rawhttp import Connection, request
 
 
@@ -233,3 +233,28 @@ async def test_nothing_after_a_refusal_is_dispatched(relay: RelayUnderTest) -> N
     assert first.status == 431
     assert await conn.closed_by_peer(1)  # EOF, and no second answer before it
     await conn.close()
+
+
+async def test_a_sweep_step_that_raises_leaves_the_next_sweeps_running(
+    relay: RelayUnderTest, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: an exception in one step of the periodic sweep ended relay's sweeping
+    task, and with it every header, idle and closing deadline and the pool's sweep, for the
+    life of the worker. A bug in one step (here the pool's sweep, made to raise once) is
+    logged, and a partial head sent after it still gets its 408."""
+    pool = relay.relay.pool
+    sweep = pool.sweep
+    raised: list[bool] = []
+
+    def once() -> None:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("a bug in one sweep")
+        sweep()
+
+    monkeypatch.setattr(pool, "sweep", once)
+    await until(lambda: bool(raised), within_s=2)
+    conn = await Connection.open(relay.port)
+    await conn.send(PARTIAL)
+    await answered_408_and_closed(conn)
+    assert "internal error in the periodic sweep" in caplog.text

@@ -195,3 +195,34 @@ def test_a_closing_client_is_cut_off_only_when_it_stops_reading(
         aborted = ("abort", b"") in w.client_transport.events
         stalled = (step + 1) * CLOSE_GRACE_S >= CLOSE_STALL_S
         assert aborted is (stalled and not reading), step
+
+
+class Faulty(Conn):
+    """A connection whose deadline raises: a bug in relay's handling of it."""
+
+    def head_timed_out(self) -> None:
+        raise RuntimeError("Cannot call write() after write_eof()")
+
+
+def test_a_deadline_that_raises_ends_its_connection_not_the_sweep(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a 408 written after a FIN raised inside ``sweep``, which ended the
+    sweeping task, and with it every header, idle and closing deadline of the worker. The
+    bug is logged, its connection cut, and the other deadlines of the same sweep still run."""
+    timers, clock = _timers()
+    faulty, head, idle = Faulty(), Conn(), Conn()
+    timers.expect_head(faulty)
+    timers.expect_head(head)
+    timers.expect_idle(idle)
+    clock.now += 630
+    timers.sweep()  # must not raise
+    assert faulty.events == ["aborted"]
+    assert head.events == ["head timed out"]
+    assert idle.events == ["closed"]
+    assert "internal error in a client connection's deadline" in caplog.text
+    later = Conn()
+    timers.expect_head(later)
+    clock.now += 10
+    timers.sweep()
+    assert later.events == ["head timed out"]
