@@ -158,5 +158,25 @@ def log_members(
     sandbox = "null" if sandbox_id is None else _escape(sandbox_id)
     number = "null" if port is None else str(port)
     verb = "null" if method is None else _escape(method)
-    where = "null" if path is None else _escape(path)
+    where = "null" if path is None else _logged_path(path)
     return f'"sandbox_id":{sandbox},"port":{number},"method":{verb},"path":{where}'
+
+
+# A path is logged in at most this many JSON characters, so that a whole line stays within
+# PIPE_BUF (4 KiB, the other members take ~400): workers sharing journald's pipe write their
+# lines atomically only up to that size, and a longer one could be torn by another worker's
+# (found by review). nginx logs to files, where the limit does not apply.
+LOGGED_PATH_CHARS = 2048
+
+
+def _logged_path(path: str) -> str:
+    """``path`` escaped for JSON, cut to :data:`LOGGED_PATH_CHARS` with a "…" that shows it."""
+    where = _escape(path)
+    if len(where) <= LOGGED_PATH_CHARS:
+        return where
+    # Most paths escape one to one; one of bytes past ASCII takes 6 characters per byte.
+    for keep in (LOGGED_PATH_CHARS - 16, LOGGED_PATH_CHARS // 6 - 4):
+        where = _escape(path[:keep] + "…")
+        if len(where) <= LOGGED_PATH_CHARS:
+            break
+    return where
