@@ -360,10 +360,11 @@ class Relay:
         self.spawn(self.feed.run())
         self.spawn(self._sweeper())
         await self._start_admin()
+        admin = self.admin_bound
         log.info(
             "relay listening on %s (admin %s)",
-            ", ".join(f"{h}:{p}" for h, p in self.bound),
-            self.admin_bound,
+            ", ".join(_authority(h, p) for h, p in self.bound),
+            _authority(*admin) if admin else "through the supervisor",
         )
 
     async def _start_admin(self) -> None:
@@ -457,3 +458,8 @@ async def serve(config: Config, tls_files: tuple[Path, Path] | None = None) -> N
     from relay.lifecycle import Lifecycle  # noqa: PLC0415 - lifecycle builds on this module
 
     await Lifecycle(Relay(config, initial_tls=tls_files)).run()
+
+
+def _authority(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets (RFC 3986 §3.2.2)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

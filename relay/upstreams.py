@@ -51,7 +51,7 @@ KEEPALIVE_OPTIONS = (
 def keep_alive_probes(sock: socket.socket) -> None:
     """Turn on :data:`KEEPALIVE_OPTIONS`. Set on a listening socket, Linux copies them to every
     connection it accepts (the listener's socket is cloned), so the client side pays nothing
-    per connection; tests/test_keepalive_probes.py reads them back from accepted ones."""
+    per connection; tests/test_listeners.py reads them back from accepted ones."""
     for level, option, value in KEEPALIVE_OPTIONS:
         sock.setsockopt(level, option, value)
 

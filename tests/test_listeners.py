@@ -1,4 +1,6 @@
-"""TCP keepalive on both sides of relay (``relay.upstreams.KEEPALIVE_OPTIONS``).
+"""What relay's sockets are set up with, and how its start line names them.
+
+TCP keepalive on both sides of relay (``relay.upstreams.KEEPALIVE_OPTIONS``).
 
 SPEC §4 sets no read timeout on an established exchange, so a peer that vanished without a FIN
 or a reset (a guest gone, a client's laptop asleep, a NAT entry dropped) held its exchange, its
@@ -61,3 +63,19 @@ async def test_client_and_upstream_connections_probe_a_silent_peer(
             assert probes(upstream.transport.get_extra_info("socket")) == wanted
         finally:
             await conn.close()
+
+
+async def test_the_start_line_names_each_address_as_a_url_writes_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log line that says where relay listens wrote the admin address as a Python tuple,
+    ``('127.0.0.1', 9090)``, and an IPv6 listener without brackets (``::1:8080``)."""
+    caplog.set_level("INFO", logger="relay")
+    overrides = {"listen": {"address": ["127.0.0.1:0", "[::1]:0"]}}
+    async with running_relay(tmp_path, [], overrides) as relay:
+        (v4, v4_port), (v6, v6_port) = relay.relay.bound
+        admin = relay.relay.admin_bound
+        assert admin is not None
+    assert (v4, v6) == ("127.0.0.1", "::1")
+    line = f"relay listening on 127.0.0.1:{v4_port}, [::1]:{v6_port} (admin 127.0.0.1:{admin[1]})"
+    assert line in caplog.text
