@@ -53,8 +53,12 @@ def server_context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
-    fds = [os.memfd_create(name, os.MFD_CLOEXEC) for name in ("relay-tls-cert", "relay-tls-key")]
+    fds: list[int] = []
     try:
+        # One at a time inside the try: at the descriptor limit the second memfd_create fails
+        # (EMFILE), and the first must be closed too (found by review: one leaked per reload).
+        for name in ("relay-tls-cert", "relay-tls-key"):
+            fds.append(os.memfd_create(name, os.MFD_CLOEXEC))
         for fd, data in zip(fds, pem, strict=True):
             os.write(fd, data)  # a memfd takes a whole write
         ctx.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import os
+import resource
 import shutil
 import ssl
 from collections.abc import Callable
@@ -101,3 +104,37 @@ async def test_a_renewal_during_a_reload_is_not_served_unchecked(
     assert served != _serial(narrow.cert_file.read_bytes())
     assert served == tls.info.serial  # what the metrics and logs report
     assert served == _serial(tls.pem[0])  # what a restarted worker will serve
+
+
+def test_a_reload_short_of_descriptors_leaves_none_open(tmp_path: Path) -> None:
+    """The pair goes to OpenSSL through two memfds (server_context). At the descriptor limit
+    (RLIMIT_NOFILE: a busy relay, LimitNOFILE= in the unit) the first may be made and the
+    second not: the reload fails, as it should, but the first memfd was never closed, so each
+    such SIGHUP took one more descriptor from the connections for good."""
+    pair = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    tls = ReloadableContext(str(pair.cert_file), str(pair.key_file), [DOMAIN])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 32, hard))
+    try:
+        for _ in range(top + 64):  # bounded: the limit is 32 above the highest descriptor
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                full = exc.errno
+                break
+        else:
+            full = 0
+        assert full == errno.EMFILE
+        # One descriptor free: the reload reads each file (and closes it), then makes the
+        # first memfd and fails on the second.
+        os.close(held.pop())
+        with pytest.raises(OSError, match="Too many open files"):
+            tls.reload([DOMAIN])
+        held.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))  # EMFILE: one leaked
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert tls.info.serial == _serial(pair.cert_file.read_bytes())  # the old pair still serves
