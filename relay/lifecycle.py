@@ -137,6 +137,13 @@ class Lifecycle:
             finally:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, WORKER_FORCE_SIGNAL):
                     loop.remove_signal_handler(sig)
+                    if self.worker is not None:
+                        # Drained and on its way out: the supervisor's force signal for a
+                        # second SIGTERM (or the terminal's next Ctrl-C) has nothing left to
+                        # cut. Their default actions killed it (SIGUSR1: exit -10), and the
+                        # supervisor, seeing a worker die in the drain, exited 1 (found by
+                        # review). (Not in a lone relay, which may run inside a test process.)
+                        signal.signal(sig, signal.SIG_IGN)
 
     def on_stop_signal(self) -> None:
         # A second signal cuts the drain short; in a worker only the supervisor's says so.

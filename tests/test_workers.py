@@ -671,3 +671,48 @@ async def test_a_worker_that_dies_during_the_drain_makes_the_exit_code_1(tmp_pat
         await upstream.close()
     assert code == 1, relay.output()
     assert "exit -9" in relay.output()
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool | None:
+    """Whether ``pid`` has a handler for ``sig`` (SigCgt); None once it is gone or a zombie."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    if fields.get("State", "").strip().startswith("Z"):
+        return None
+    return bool(int(fields["SigCgt"], 16) >> (sig - 1) & 1)
+
+
+async def test_a_second_sigterm_after_a_workers_drain_does_not_fail_the_stop(
+    tmp_path: Path,
+) -> None:
+    """A second SIGTERM makes the supervisor send its workers WORKER_FORCE_SIGNAL (SIGUSR1). A
+    worker whose drain was over had already removed its handler and was exiting: SIGUSR1's
+    default action killed it (exit -10), and the supervisor reported "died during the drain"
+    and exited 1, though every drain had run its course (SPEC §7: exit 0)."""
+    relay = RelayProcess(
+        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 3}}
+    )
+    relay.start(timeout=20)
+    try:
+        assert relay.proc is not None
+        pids = await _ready_pids(relay, 10)
+        assert pids
+        relay.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        # The workers hold no connection: each ends its drain at once, then exits. The second
+        # SIGTERM goes in between, once one has dropped its handler (polled, bounded).
+        while time.monotonic() < deadline:
+            if any(_catches(pid, signal.SIGUSR1) is False for pid in pids):
+                relay.proc.send_signal(signal.SIGTERM)
+                break
+            await asyncio.sleep(0.0002)
+        else:
+            pytest.fail("no worker ended its drain")
+        code = await asyncio.to_thread(relay.proc.wait, 15)
+    finally:
+        relay.stop()
+    assert "died during the drain" not in relay.output()
+    assert code == 0, relay.output()
