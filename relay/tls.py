@@ -11,6 +11,7 @@ frame pitfall noted for SDK 2.63 (``ENVD_API_FILE_DOWNLOAD_HTTP_VERSION``).
 
 from __future__ import annotations
 
+import errno
 import os
 import ssl
 from collections.abc import Sequence
@@ -38,6 +39,10 @@ def load_checked(
         raise TLSCheckError(
             f"listen.tls_cert: OpenSSL refuses {cert_file} with {key_file}: {why}"
         ) from None
+    except OSError as exc:  # the memfds (EMFILE at the descriptor limit, a seccomp filter)
+        raise TLSCheckError(
+            f"listen.tls_cert: cannot load {cert_file} with {key_file}: {exc.strerror or exc}"
+        ) from None
     return info, pem, ctx
 
 
@@ -58,7 +63,7 @@ def server_context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
         # One at a time inside the try: at the descriptor limit the second memfd_create fails
         # (EMFILE), and the first must be closed too (found by review: one leaked per reload).
         for name in ("relay-tls-cert", "relay-tls-key"):
-            fds.append(os.memfd_create(name, os.MFD_CLOEXEC))
+            fds.append(_memfd(name))
         for fd, data in zip(fds, pem, strict=True):
             os.write(fd, data)  # a memfd takes a whole write
         ctx.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
@@ -66,6 +71,21 @@ def server_context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
         for fd in fds:
             os.close(fd)
     return ctx
+
+
+# Linux 6.3+: a memfd that can never be executed. With vm.memfd_noexec = 2 (a hardening
+# sysctl) kernels 6.3-6.5 refuse a memfd made without it (EACCES); kernels before 6.3 do not
+# know the flag (EINVAL) and get a plain one. (os.MFD_NOEXEC_SEAL exists from Python 3.12.)
+MFD_NOEXEC_SEAL = getattr(os, "MFD_NOEXEC_SEAL", 0x0008)
+
+
+def _memfd(name: str) -> int:
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC | MFD_NOEXEC_SEAL)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.memfd_create(name, os.MFD_CLOEXEC)
 
 
 class ReloadableContext:
