@@ -62,7 +62,7 @@ def parse_http_url(url: str) -> tuple[str, int] | None:
         host, port = rest, 80
     else:
         parsed = split_address(rest)
-        if parsed is None:
+        if parsed is None or parsed[1] == 0:  # port 0 is for listening, never for dialling
             return None
         host, port = rest.rpartition(":")[0], parsed[1]
     # The host as written must be one (RFC 3986 §3.2.2): an IPv6 address in brackets, an IPv4

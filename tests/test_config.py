@@ -76,6 +76,7 @@ def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -
         ({"management": {"upstream": "http://exa mple:80"}}, "management.upstream"),
         ({"management": {"upstream": "http://[zz]:80"}}, "management.upstream"),
         ({"management": {"upstream": "http://::1:3000"}}, "management.upstream"),
+        ({"management": {"upstream": "http://10.0.0.1:0"}}, "management.upstream"),
         ({"process": {"workers": 0}}, "process.workers"),
         # Found by review: serve built a list of that many workers until the OOM killer came
         # (exit 137, no message) and check-config passed it.
