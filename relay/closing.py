@@ -307,8 +307,12 @@ class Closing:
         ``head_timed_out`` closes. Without a deadline a client that announced a body and never
         sent it held the connection for ever, with no credential and no upstream: the header
         timeout's slowloris bound was sidestepped by one Content-Length (found by review).
-        nginx bounds the discarding of a body too (``lingering_timeout``)."""
-        self.relay.timers.expect_head(self)
+        nginx bounds the discarding of a body too (``lingering_timeout``). Not once the
+        connection closes (the body was too large to drop): the lingering close has its own
+        deadline, and a head deadline there answered 408 after the FIN, a write that raised in
+        the timers' sweep and ended it for every connection (found by review)."""
+        if not self.closing:
+            self.relay.timers.expect_head(self)
 
     def abort(self) -> None:
         self.relay.outbox.flush()

@@ -258,3 +258,28 @@ async def test_a_sweep_step_that_raises_leaves_the_next_sweeps_running(
     await conn.send(PARTIAL)
     await answered_408_and_closed(conn)
     assert "internal error in the periodic sweep" in caplog.text
+
+
+async def test_a_refusal_that_closes_mid_body_leaves_the_header_timeout_running(
+    relay: RelayUnderTest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request refused at its head whose body is too large to drop (past DISCARD_LIMIT) is
+    answered with Connection: close and a lingering close. The discard deadline was armed for
+    it all the same, on the closing connection: at header_timeout_s its 408 was written after
+    the FIN (RuntimeError in the timers' sweep), which killed the sweep task, and from then
+    on no connection of the worker got a header or idle timeout (found by review)."""
+    conn = await Connection.open(relay.port)
+    host = f"49983-ghost.{DOMAIN}"
+    await conn.send(f"POST / HTTP/1.1\r\nHost: {host}\r\nContent-Length: 2000000\r\n\r\n".encode())
+    with caplog.at_level(logging.INFO):
+        response = await conn.read_response(timeout=3)
+        assert response.status == 502
+        assert response.header("Connection") == "close"
+        await asyncio.sleep(1.0)  # past header_timeout_s (0.5), within the linger's grace
+        slow = await Connection.open(relay.port)
+        await slow.send(PARTIAL)
+        await answered_408_and_closed(slow)  # the sweep still runs
+    await conn.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    statuses = [r.getMessage() for r in caplog.records if r.name == "relay.access"]
+    assert len(statuses) == 2, statuses  # the 502 and the slow head's 408, once each
