@@ -176,7 +176,9 @@ class Respond:
         else:
             self.client.discarding()  # the rest of the body is dropped, within a deadline
 
-    def _discard_ok(self) -> bool:
+    def _discard_ok(self, *, unsized: bool = True) -> bool:
+        """The rest of the request body can be read and dropped, the connection kept;
+        ``unsized``: the answer for a chunked body, whose size is known only at its end."""
         if self.request_complete:
             return True
         cl = header_rules.index(self.head.headers).get(b"content-length")
@@ -185,7 +187,7 @@ class Respond:
                 return int(cl[0]) <= DISCARD_LIMIT
             except ValueError:
                 return False
-        return True  # chunked: dropped until the limit, then closed (see request_body)
+        return unsized  # chunked: dropped until the limit, then closed (see request_body)
 
     def _drop_reader(self) -> ResponseReader | None:
         """Break reader → exchange, so the exchange is freed by reference counting.
@@ -266,10 +268,14 @@ class Respond:
             headers,
             self.head.method,
             self.head.version,
-            # An answer before the request body ended: the client connection is closed after
-            # it (response_end), and the head says so (RFC 9112 §9.6, RFC 9110 §10.1.1; Go's
-            # server too). Found by review: a client told nothing took it for a kept one.
-            self.keep_alive and self.request_complete,
+            # An answer before the request body ended is kept only when the rest of the body
+            # can be dropped (_drop_rest), else the head says the connection closes (RFC 9112
+            # §9.6, RFC 9110 §10.1.1; Go's server too, past 256 KiB unread). Found by review:
+            # a client told nothing took it for a kept one; then, every head sent before the
+            # body's end said close, and an upstream reading the body as it answered lost the
+            # connection. Not a chunked body: it may go past the limit after a head that said
+            # the connection is kept.
+            self.keep_alive and (self.request_complete or self._discard_ok(unsized=False)),
             decision.websocket,
         )
         if plan.unrelayable:
@@ -286,7 +292,25 @@ class Respond:
             self._upstream_keepalive = False
             if self.request_complete:
                 self._finish()
+            elif self.keep_alive:
+                self._drop_rest()
         return plan.length
+
+    def _drop_rest(self) -> None:
+        """The response ended before the request body: the rest of the body has nowhere to
+        go, so it is read and dropped as after relay's own answers (within DISCARD_LIMIT and
+        ``listen.header_timeout_s``) and the client connection is kept, as nginx discards it;
+        the upstream connection, which has part of a body, is closed."""
+        self.flush()
+        self.state = ANSWERED
+        self._upstream_keepalive = False
+        conn, self.upstream = self.upstream, None
+        if conn is not None:
+            conn.owner = None
+            conn.close()
+        self.client.resume(PAUSE_UPSTREAM_FULL)  # the body was flowing under its backpressure
+        self.client.relay.unregister(self)  # no longer in flight to its sandbox (max_connections)
+        self.client.discarding()
 
     def _unrelayable(self, why: str) -> int:
         """A head relay will not pass on: nothing was written, so the client gets a 502."""
@@ -359,8 +383,11 @@ class Respond:
                 self._out += (b"%x\r\n" % len(rest), rest, CRLF)
             self._out.append(LAST_CHUNK)
         if not self.request_complete:
+            if self.keep_alive:
+                self._drop_rest()  # its head said the connection is kept (response_head)
+                return
             # The upstream answered before the request body ended (e.g. 413): the rest of the
-            # body has nowhere to go, so neither connection can be kept.
+            # body, past what is dropped, has nowhere to go, so neither connection is kept.
             self.keep_alive = False
             self._upstream_keepalive = False
             self.request_complete = True

@@ -17,7 +17,10 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import pytest
+
 from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream
+from tests.support.rawhttp import Connection
 
 BODY = 8 << 20
 
@@ -61,3 +64,57 @@ async def test_an_answer_before_the_end_of_the_upload_says_the_connection_closes
     assert body == b"too big"
     fields = [line.lower() for line in head.split(b"\r\n")[1:]]
     assert b"connection: close" in fields, head
+
+
+async def upstream_of_two_kinds(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """POST /duplex: the head at once, then the 10-byte body read and echoed (an upstream
+    that answers while it reads, as a progress stream does); POST /early: 413 at once, the
+    body never read; anything else: 200 "ok"."""
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+        for _ in range(10):  # bounded: a few requests per connection
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"POST /duplex"):
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                await writer.drain()
+                body = await reader.readexactly(10)
+                writer.write(b"a\r\n%s\r\n0\r\n\r\n" % body)
+            elif head.startswith(b"POST /early"):
+                writer.write(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 7\r\n\r\ntoo big")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+    writer.close()
+
+
+@pytest.mark.parametrize("path", ["/duplex", "/early"])
+async def test_an_answer_before_a_small_bodys_end_keeps_the_connection(
+    tmp_path: Path, path: str
+) -> None:
+    """An upstream's head sent before the request body ended (the upload still on its way):
+    the connection is kept when the rest of the body can be dropped, as after relay's own
+    answers (DISCARD_LIMIT), and as nginx and Go's server keep it. An upstream that reads the
+    body while it answers (/duplex) lost the connection though the body then ended before the
+    response: the head said close whenever it came before the body's end (found by review).
+    One that answers without reading (/early) gets the rest dropped, not sent to it."""
+    async with (
+        scripted_upstream(upstream_of_two_kinds) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
+    ):
+        host = f"{port}-sbx.{DOMAIN}"
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 10\r\n\r\n12345".encode()
+            )
+            await asyncio.sleep(0.2)  # the upstream's head comes before the rest of the body
+            await conn.send(b"67890")
+            first = await conn.read_response(timeout=3)
+            assert first.header("Connection") is None
+            await conn.send(f"GET /after HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            after = await conn.read_response(timeout=3)
+        finally:
+            await conn.close()
+    assert (first.status, first.body) == (
+        (200, b"1234567890") if path == "/duplex" else (413, b"too big")
+    )
+    assert (after.status, after.body) == (200, b"ok")
