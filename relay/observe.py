@@ -251,12 +251,15 @@ def _path_only(target: bytes) -> str:
     """A refused request's target for its log line (SPEC §7: no credential): without its
     query or fragment (a browser sends none; one sent, an OAuth ``#access_token=``, is
     refused), and an absolute-form target (refused too) without its userinfo, RFC 3986
-    §3.2.1's "user:password" (found by review: both were logged as sent)."""
-    path = target.partition(b"?")[0].partition(b"#")[0]
+    §3.2.1's "user:password" (found by review: both were logged as sent). Everything up to
+    the last "@" goes, before the query is cut: a password with a "?" or "/" its client did
+    not percent-encode (llhttp takes both) had its start logged, cut there as if a query or
+    the path began (found by the next review). An "@" in such a target's path takes the host
+    with it: the form is refused anyway, and a line without it leaks nothing."""
+    path = target
     if not path.startswith(b"/"):
         scheme, sep, rest = path.partition(b"://")
         if not sep:  # authority-form (CONNECT), where llhttp takes a userinfo too
             scheme, rest = b"", path
-        authority, slash, tail = rest.partition(b"/")
-        path = scheme + sep + authority.rpartition(b"@")[2] + slash + tail
-    return path.decode("latin-1")
+        path = scheme + sep + rest.rpartition(b"@")[2]
+    return path.partition(b"?")[0].partition(b"#")[0].decode("latin-1")

@@ -162,6 +162,11 @@ async def test_a_request_broken_mid_body_is_one_exchange_with_its_answer(
         (b"GET", b"http://s3cret@h.example", "http://h.example"),
         # CONNECT's authority-form, which llhttp takes with a userinfo too: refused 405
         (b"CONNECT", b"user:s3cret@h.example:443", "h.example:443"),
+        # a password with a '?' or '/' that the client did not percent-encode: its start
+        # was logged, cut there as if a query or the path began (found by review)
+        (b"GET", b"http://user:s3cret?x@h.example/files", "http://h.example/files"),
+        (b"GET", b"http://user:s3cret/x@h.example/files", "http://h.example/files"),
+        (b"CONNECT", b"user:s3cret?x@h.example:443", "h.example:443"),
         # a fragment is never sent by a browser; one sent (an OAuth "#access_token=...") is
         # refused 400 and kept out like a query
         (b"GET", b"/files#access_token=s3cret", "/files"),
