@@ -172,13 +172,20 @@ class Closing:
         TCP) and keeps reading and dropping what the client sends, for up to ``CLOSE_GRACE_S``
         between reads and LINGER_TOTAL_S in all, until the client closes its side.
         """
+        self._close(linger=True)
+
+    def _close(self, *, linger: bool) -> None:
         self.relay.outbox.flush()  # what was written before the close goes out before it
         self.closing = True
         self.parser = None
         transport = self.transport
         if transport is None or transport.is_closing() or self._lingering:
             return  # a lingering close ends when the client closes, or at its deadline
-        if self._mid_message and (transport.can_write_eof() or self._body_may_follow()):
+        if (
+            linger
+            and self._client_may_send()
+            and (transport.can_write_eof() or self._body_may_follow())
+        ):
             self._mid_message = False
             self._lingering = time.monotonic()
             self._end_exchanges()  # nothing more is written after the answer
@@ -188,10 +195,18 @@ class Closing:
             self.relay.timers.resumed(self)
             transport.resume_reading()
         else:
-            self._close_left = self._unwritten(transport)
-            self._close_moved = self.relay.timers.now()
             transport.close()
+        self._close_left = self._unwritten(transport)
+        self._close_moved = self.relay.timers.now()
         self.relay.timers.close_deadline(self)
+
+    def _client_may_send(self) -> bool:
+        """The client may be sending when relay closes: it is mid-request, or a WebSocket's
+        (relay ended the splice: revoked, draining, its upstream gone) whose frames flow at any
+        time. Found by review: a WebSocket client still sending was reset at the close (its
+        frames left unread), and the reset dropped what the kernel had not sent yet, relay's
+        1001 Close frame among it, as UpstreamConnection.close found for the upstream side."""
+        return self._mid_message or self.splice is not None
 
     def _body_may_follow(self) -> bool:
         """More of the request may come: its head is unfinished, or it announced a body. Over
@@ -216,7 +231,9 @@ class Closing:
         lost its tail, 5 s after the close, with an orderly end). A client that takes nothing,
         or a lingering one that sends nothing, is cut off."""
         transport = self.transport
-        if transport is not None and not self._lingering:
+        if transport is not None:
+            # Lingering too: a WebSocket's client may still be reading what relay sent before
+            # its Close frame, slowly, while it sends nothing (the next review of the fix above).
             left = self._unwritten(transport)
             now = self.relay.timers.now()
             if 0 < left < self._close_left:
@@ -235,16 +252,18 @@ class Closing:
         """What relay wrote that the client has not taken: over TLS also what the TLS layer
         already encrypted into the TCP transport below, which its own size leaves out (found by
         review: a TLS reader pausing 8 s was cut off at CLOSE_GRACE_S)."""
-        size = transport.get_write_buffer_size()
         # And what the kernel still queues for the client: a TLS connection stays open for its
-        # closing handshake, and a cut there (an abort) resets what the kernel had not sent yet.
-        return size + unsent(self.below) if self.below is not None else size
+        # closing handshake, and a plain one while it lingers, and a cut there (an abort)
+        # resets what the kernel had not sent yet.
+        if self.below is not None:
+            return transport.get_write_buffer_size() + unsent(self.below)
+        return unsent(transport)
 
     def close_now(self) -> None:
         """Close without lingering (relay is stopping)."""
         self._lingering = 0.0
         self._mid_message = False
-        self.close()
+        self._close(linger=False)
 
     def _still_sending(self) -> None:
         """Lingering: the client is still sending. Wait on, within LINGER_TOTAL_S."""

@@ -170,7 +170,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         if self._rest and not self.closing:
             self._rest += data  # after the rest of a sliced read, in order (relay.slices)
             return
-        if self.splice is not None:
+        if self.splice is not None and not self.closing:
             self.splice.client_data(data)
             return
         parser = self.parser
