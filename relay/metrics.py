@@ -69,7 +69,9 @@ class Spec:
 SPECS: dict[str, Spec] = {
     "relay_requests": Spec(
         "counter",
-        "Requests answered, by kind (envd, app, management, refused) and status class",
+        "Requests, by kind (envd, app, management; refused: answered by relay itself; "
+        "abandoned: pipelined, its client left before relay got to it) and status class "
+        "(none: no answer)",
         ("kind", "status_class"),
     ),
     "relay_refusals": Spec("counter", "Answers relay made itself, by reason", ("reason",)),

@@ -165,7 +165,10 @@ class Observer:
             kind = decision.kind._value_
             members = decision.log_fields  # made once with the (often remembered) decision
         else:
-            kind = "refused"
+            # No decision: a pipelined request whose client left before relay got to it.
+            # relay refused nothing (found by review: counted as "refused", an alert on
+            # refusals fired on clients that gave up).
+            kind = "refused" if decision is not None else "abandoned"
             members = None  # made below, only for a line
         counts = self._tally.get(kind)  # _count, spelled out
         if counts is None:

@@ -4,7 +4,10 @@ merging across workers; /routes without tokens."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +26,14 @@ from relay.core.model import Forward, Kind, Reason, Reject, RequestHead
 from relay.metrics import SPECS, families, read_snapshots, write_snapshot
 from relay.observe import Histogram, Observer
 from tests.core.test_failures import forward as make_forward
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.harness import (
+    DOMAIN,
+    RelayUnderTest,
+    route,
+    running_relay,
+    scripted_upstream,
+    until,
+)
 from tests.support.ops import get, samples, value
 from tests.support.ports import free_port
 from tests.support.rawhttp import request
@@ -287,3 +297,37 @@ async def test_the_staleness_gauge_counts_from_the_stale_clocks_start(tmp_path: 
         assert value(await _scrape(relay), "relay_feed_staleness_seconds") >= 10
         relay.relay.feed_restored()
         assert value(await _scrape(relay), "relay_feed_staleness_seconds") == 0
+
+
+async def test_pipelined_requests_a_client_abandons_are_not_counted_as_refused(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a request queued behind a running one, whose client then left, ended
+    with no decision and was counted as relay_requests{kind="refused"}, though relay refused
+    nothing (relay_refusals stayed 0): an alert on refusals fired on clients that gave up."""
+    heads: list[bytes] = []
+
+    async def stalled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        with contextlib.suppress(OSError):
+            await reader.read()  # never answers; until relay lets go
+        writer.close()
+
+    async with (
+        scripted_upstream(stalled) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
+    ):
+        host = f"{port}-sbx.{DOMAIN}"
+        _, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        one = f"GET /slow HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        writer.write(one + one.replace(b"/slow", b"/queued"))
+        await until(lambda: len(heads) == 1)  # the first is upstream, the second queued
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()  # the client gives up on both: a reset, not a half-close
+        await until(lambda: not relay.relay.connections)
+        requests = relay.relay.observer.requests
+    assert not relay.relay.observer.refusals
+    assert requests[("refused", "none")] == 0, requests
+    assert requests[("app", "none")] == 1, requests
+    assert sum(requests.values()) == 2, requests  # the abandoned one is still counted
