@@ -80,8 +80,8 @@ SPECS: dict[str, Spec] = {
     ),
     "relay_bytes": Spec(
         "counter",
-        "Body bytes relayed (in: client to upstream, out: upstream to client), "
-        "counted when the exchange or WebSocket ends",
+        "Body bytes (in: read from clients, bodies relay dropped included; out: written to "
+        "clients, relay's own answers included), counted when the exchange or WebSocket ends",
         ("direction",),
     ),
     "relay_first_byte_seconds": Spec(

@@ -74,8 +74,10 @@ class Observer:
         self.revocations = 0
         self.websockets_closed = 0
         # Added for the Prometheus exposition (relay.metrics); labels are bounded sets.
-        self.bytes_in = 0  # body bytes client → upstream
-        self.bytes_out = 0  # body bytes upstream → client
+        # Body bytes each way as the access log counts them: read from clients (a refused
+        # request's dropped body too) and written to them (relay's own answers too).
+        self.bytes_in = 0
+        self.bytes_out = 0
         self.first_byte: dict[str, Histogram] = {}  # kind → time to the response head
         self.connect = Histogram(CONNECT_BUCKETS)  # one successful upstream TCP connect
         self.connect_errors: Counter[str] = Counter()  # refused | timeout | error
@@ -115,6 +117,7 @@ class Observer:
         body bytes, its line's bytes_out as for an exchange's refusal (it was 0)."""
         self.refused(reject, peer)
         self._count("refused", reject.status)
+        self.bytes_out += sent  # relay's own answer, as an exchange's refusal counts its own
         if ACCESS_LOG.enabled:
             ACCESS_LOG.write(
                 time=time.time(),

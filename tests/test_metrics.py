@@ -20,6 +20,7 @@ from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from relay.core.model import Forward, Kind, Reason, Reject, RequestHead
@@ -36,7 +37,7 @@ from tests.support.harness import (
 )
 from tests.support.ops import get, samples, value
 from tests.support.ports import free_port
-from tests.support.rawhttp import request
+from tests.support.rawhttp import Connection, request
 
 
 # -- pure ---------------------------------------------------------------------------------------
@@ -331,3 +332,36 @@ async def test_pipelined_requests_a_client_abandons_are_not_counted_as_refused(
     assert requests[("refused", "none")] == 0, requests
     assert requests[("app", "none")] == 1, requests
     assert sum(requests.values()) == 2, requests  # the abandoned one is still counted
+
+
+async def test_relay_bytes_says_it_counts_dropped_bodies_and_relays_own_answers(
+    tmp_path: Path,
+) -> None:
+    """Found by review: relay_bytes' help said "Body bytes relayed (in: client to upstream,
+    out: upstream to client)", but a refused request's body, which relay reads and drops, is
+    counted "in", and relay's own answer "out": a flood of refused uploads looked like traffic
+    to sandboxes. Its help now says what it counts (what the access log's bytes count; an
+    answer to a request relay could not parse is now counted "out" too, as its line counts it)."""
+    async with running_relay(tmp_path, [route("sbx", envd_token="envd-tok")]) as relay:
+        host = f"49983-sbx.{DOMAIN}"
+        answer = await request(
+            relay.port, "POST", "/x", host, [("X-Access-Token", "wrong")], b"z" * 100
+        )
+        # And an answer with no exchange (a request that cannot be parsed): its log line
+        # counts its body in bytes_out; relay_bytes did not.
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(b"NOT HTTP\r\n\r\n")
+            malformed = await conn.read_response()
+        finally:
+            await conn.close()
+        text = await _scrape(relay)
+    assert answer.status == 401
+    assert malformed.status == 400
+    assert value(text, "relay_bytes_total", direction="in") == 100  # dropped, not relayed
+    out = len(answer.body) + len(malformed.body)  # relay's own answers
+    assert value(text, "relay_bytes_total", direction="out") == out
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "relay_bytes"]
+    assert "client to upstream" not in family.documentation
+    assert "dropped" in family.documentation
+    assert "relay's own answers" in family.documentation
