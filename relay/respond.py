@@ -181,6 +181,8 @@ class Respond:
         ``unsized``: the answer for a chunked body, whose size is known only at its end."""
         if self.request_complete:
             return True
+        if self._expects_continue():
+            return False
         cl = header_rules.index(self.head.headers).get(b"content-length")
         if cl is not None:
             try:
@@ -188,6 +190,19 @@ class Respond:
             except ValueError:
                 return False
         return unsized  # chunked: dropped until the limit, then closed (see request_body)
+
+    def _expects_continue(self) -> bool:
+        """The client asked ``Expect: 100-continue``: it may hold its body back for a 100 that
+        relay's refusal does not send. Kept, the connection is ambiguous: a client may skip the
+        body and send its next request (older Go transports and OkHttp did: OkHttp issue
+        #3252), which would be dropped as that body. Go's net/http server (E2B's proxy) closes
+        after answering such a request whose body it has not read to its end
+        (closeAfterReply), whether or not some of it came; so does relay (found by review: the
+        next request went unanswered)."""
+        if self.head.version != "1.1":
+            return False  # RFC 9110 §10.1.1: the expectation is ignored from HTTP/1.0 clients
+        expect = header_rules.index(self.head.headers).get(b"expect")
+        return expect is not None and any(b"100-continue" in v.lower() for v in expect)
 
     def _drop_reader(self) -> ResponseReader | None:
         """Break reader → exchange, so the exchange is freed by reference counting.
