@@ -59,6 +59,7 @@ class Closing:
         "_client_eof",
         "_close_left",
         "_close_moved",
+        "_discarding",
         "_fin_progress",
         "_head_raw",
         "_lingering",
@@ -98,6 +99,7 @@ class Closing:
     _close_moved: float  # relay.timers.now() then
     below: asyncio.Transport | None  # a TLS connection's TCP transport (relay.handshake)
     _fin_progress: tuple[int, float]  # what a gone WebSocket client's upstream took, and when
+    _discarding: bool  # the active request's body is only dropped, on a deadline (discarding)
     _client_eof: bool
     tls: bool
 
@@ -331,6 +333,7 @@ class Closing:
         deadline, and a head deadline there answered 408 after the FIN, a write that raised in
         the timers' sweep and ended it for every connection (found by review)."""
         if not self.closing:
+            self._discarding = True  # its end (on_message_complete) ends the deadline
             self.relay.timers.expect_head(self)
 
     def abort(self) -> None:

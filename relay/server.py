@@ -120,6 +120,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._refused_head: RequestHead | None = None
         self._starting = False  # exchange_finished is starting queued exchanges
         self._client_eof = False  # the client half-closed: close once its requests are answered
+        self._discarding = False
         self.write_paused = False
         self.active: Exchange | None = None  # the exchange whose response is being written
         self.receiving: Exchange | None = None  # the exchange whose body is being parsed
@@ -464,7 +465,8 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._at_start = self._keep
         receiving, self.receiving = self.receiving, None
         if receiving is not None and not self.closing:
-            if receiving.answered():
+            if self._discarding:  # a flag, not receiving.answered(): every request ends here
+                self._discarding = False
                 self.relay.timers.head_done(self)  # its body's deadline (discarding) is met
             receiving.request_done()
             if self.write_paused:
