@@ -44,6 +44,23 @@ def _start(tmp_path: Path, workers: int, launcher: str = "module") -> subprocess
         )
 
 
+def _interpreter_up(proc: subprocess.Popen[bytes], within_s: float = 10.0) -> None:
+    """Wait until the child's interpreter has started, as its SIGINT handler shows (SigCgt in
+    /proc; CPython installs it before running any code of relay's). Delays counted from here,
+    not from the spawn: on a loaded machine the interpreter's own start took longer than 0.1 s,
+    and a SIGHUP before any code ran killed the child in a test of relay's code."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:  # bounded
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields["SigCgt"], 16) >> (signal.SIGINT - 1) & 1:
+            return
+        time.sleep(0.002)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -57,13 +74,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 @pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("after_s", [0.1, 0.3])
+@pytest.mark.parametrize("after_s", [0.05, 0.25])
 def test_a_sighup_while_starting_is_a_reload(
     tmp_path: Path, workers: int, after_s: float, launcher: str
 ) -> None:
     proc = _start(tmp_path, workers, launcher)
     try:
-        time.sleep(after_s)
+        _interpreter_up(proc)
+        time.sleep(after_s)  # during relay's imports (~0.1-0.3 s), before the loop's handlers
         assert proc.poll() is None
         proc.send_signal(signal.SIGHUP)
         time.sleep(1.5)
@@ -76,7 +94,8 @@ def test_a_sighup_while_starting_is_a_reload(
 def test_a_sigterm_while_starting_is_a_stop(tmp_path: Path, workers: int) -> None:
     proc = _start(tmp_path, workers)
     try:
-        time.sleep(0.1)
+        _interpreter_up(proc)
+        time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0, (tmp_path / "stderr").read_text()[-500:]
     finally:
