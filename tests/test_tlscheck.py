@@ -9,10 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import NameOID
 
 from relay.__main__ import main
 from relay.config import load, parse
@@ -191,29 +189,8 @@ async def test_a_reload_with_such_a_key_keeps_the_certificate_and_the_rest(
 def _weak_rsa_pair(directory: Path) -> tuple[Path, Path]:
     """A pair every check of relay.tlscheck passes but OpenSSL refuses at its default security
     level (2): an RSA key under 2048 bits ("ee key too small")."""
-    key = rsa.generate_private_key(65537, 1024)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, DOMAIN)])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(NOW - datetime.timedelta(days=1))
-        .not_valid_after(NOW + datetime.timedelta(days=2))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"*.{DOMAIN}")]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = directory / "weak.crt", directory / "weak.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_file, key_file
+    pair = issue(directory / "weak", [f"*.{DOMAIN}"], key=rsa.generate_private_key(65537, 1024))
+    return pair.cert_file, pair.key_file
 
 
 @pytest.mark.parametrize("command", ["serve", "check-config"])

@@ -250,18 +250,25 @@ async def test_a_sighup_while_a_worker_restarts_does_not_kill_it(tmp_path: Path)
     assert len(died) == 1, died  # the SIGKILL above, not the reload
 
 
-async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: Path) -> None:
-    """process.drain_timeout_s is reloadable (SPEC §7): the supervisor, which kills workers
-    that outlive it, must use the reloaded value as the workers do."""
+async def slow_app(seconds: float) -> TestServer:
+    """A started app that answers GET / after ``seconds``: an exchange a drain waits for."""
 
     async def slow(_request: web.Request) -> web.Response:
-        await asyncio.sleep(8)
+        await asyncio.sleep(seconds)
         return web.Response(text="done")
 
     app = web.Application()
     app.router.add_get("/", slow)
     upstream = TestServer(app, host="127.0.0.1")
     await upstream.start_server()
+    return upstream
+
+
+async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: Path) -> None:
+    """process.drain_timeout_s is reloadable (SPEC §7): the supervisor, which kills workers
+    that outlive it, must use the reloaded value as the workers do."""
+
+    upstream = await slow_app(8)
     relay = RelayProcess(
         tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 1}}
     )
@@ -635,14 +642,7 @@ async def test_a_worker_that_dies_during_the_drain_makes_the_exit_code_1(tmp_pat
     SIGKILL, as the OOM killer does) cut its exchanges short without one: a single relay
     dying so exits non-zero, and systemd should record the stop as failed. It exited 0."""
 
-    async def slow(_request: web.Request) -> web.Response:
-        await asyncio.sleep(5)
-        return web.Response(text="done")
-
-    app = web.Application()
-    app.router.add_get("/", slow)
-    upstream = TestServer(app, host="127.0.0.1")
-    await upstream.start_server()
+    upstream = await slow_app(5)
     relay = RelayProcess(
         tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 3}}
     )

@@ -322,28 +322,6 @@ async def test_listen_max_connections_answer_is_a_section_5_error(
             await held.close()
 
 
-async def test_listen_max_connections_answer_to_head_has_no_content(
-    tmp_path: Path, recorder: Recorder
-) -> None:
-    """The 503 past listen.max_connections answers a HEAD with the head alone (RFC 9110
-    §9.3.2), as every other answer relay makes does: its JSON body followed the head."""
-    host = f"{recorder.ports['app']}-open.{DOMAIN}"
-    overrides = {"listen": {"max_connections": 1, "header_timeout_s": 5}}
-    async with running_relay(tmp_path, [route("open", insecure=True)], overrides) as relay:
-        held = await Connection.open(relay.port)
-        try:
-            await held.send(request_bytes("GET", "/held", host))
-            assert (await held.read_response()).status == 200
-            async with connected(relay.port) as conn:
-                await conn.send(request_bytes("HEAD", "/over", host))
-                answer = await read_until_closed(conn, 3)
-            assert answer is not None
-            assert answer.startswith(b"HTTP/1.1 503 "), answer
-            assert answer.endswith(b"\r\n\r\n"), answer
-        finally:
-            await held.close()
-
-
 async def test_per_sandbox_max_connections(hostile: Hostile) -> None:
     host = hostile.host("app", "lim")
     mark = hostile.recorder.mark()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 
@@ -36,8 +36,10 @@ def issue(
     not_after_days: int = 2,
     not_before_days: int = -1,
     prefix: str = "server",
+    key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey | None = None,
 ) -> Issued:
-    """A CA and a server certificate for ``dns_names`` (plus 127.0.0.1) signed by it."""
+    """A CA and a server certificate for ``dns_names`` (plus 127.0.0.1) signed by it, for
+    ``key`` (a new P-256 key by default)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -65,7 +67,7 @@ def issue(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = key or ec.generate_private_key(ec.SECP256R1())
     sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
     sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
     cert = (
