@@ -7,7 +7,10 @@ cd "$(dirname "$0")/.."
 SECONDS_EACH="${1:-30}"
 PYTHON="${PYTHON:-python3}"
 VENV=fuzz/.venv
-HARNESSES=(fuzz_decide fuzz_server)
+HARNESSES=(fuzz_decide fuzz_server fuzz_upstream fuzz_streams)
+# Seeds per harness: fuzz/seeds-<name> if there is one, else the client requests in fuzz/seeds;
+# and the longest input (a few upstream responses fit in 4 KiB).
+declare -A MAX_LEN=([fuzz_upstream]=4096 [fuzz_streams]=2048)
 
 install_atheris() {
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || return 1
@@ -46,11 +49,16 @@ fi
 status=0
 for harness in "${HARNESSES[@]}"; do
     corpus="fuzz/corpus/${harness#fuzz_}"
+    seeds="fuzz/seeds-${harness#fuzz_}"
+    [ -d "$seeds" ] || seeds=fuzz/seeds
+    extra=()
+    [ -n "${MAX_LEN[$harness]:-}" ] && extra=(-max_len="${MAX_LEN[$harness]}")
+    [ -f "fuzz/${harness#fuzz_}.dict" ] && extra+=(-dict="fuzz/${harness#fuzz_}.dict")
     mkdir -p "$corpus" fuzz/crashes
-    echo "== $harness: ${SECONDS_EACH}s (corpus $corpus, seeds fuzz/seeds)"
+    echo "== $harness: ${SECONDS_EACH}s (corpus $corpus, seeds $seeds)"
     "$VENV/bin/python" "fuzz/$harness.py" -max_total_time="$SECONDS_EACH" -rss_limit_mb=2048 \
-        -timeout=10 -artifact_prefix=fuzz/crashes/ -print_final_stats=1 \
-        "$corpus" fuzz/seeds 2>&1 | grep -E '^(#[0-9]+.*(DONE|INITED)|==|INFO: (Seed|Loaded)|stat::(number_of_executed_units|peak_rss_mb)|.*(Error|Exception|Traceback|crash|Assertion).*)' || true
+        -timeout=10 -artifact_prefix=fuzz/crashes/ -print_final_stats=1 "${extra[@]}" \
+        "$corpus" "$seeds" 2>&1 | grep -E '^(#[0-9]+.*(DONE|INITED)|==|INFO: (Seed|Loaded)|stat::(number_of_executed_units|peak_rss_mb)|.*(Error|Exception|Traceback|crash|Assertion).*)' || true
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         echo "make fuzz: $harness found a crash (fuzz/crashes/)"
         status=1
