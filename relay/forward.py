@@ -306,8 +306,14 @@ class Exchange(Respond):
             # §3; found by review: its held half-envelope went out in a body that looked whole).
             # A stream no longer followed (relay.core.streams: too many envelopes in a read)
             # has its end taken on trust, as before (found by review: its end envelope went
-            # unseen, and a whole stream was cut).
-            and (self._tracker is None or self._tracker.ended or not self._tracker.following)
+            # unseen, and a whole stream was cut). An end envelope over the hold limit passes
+            # unheld: it ends the stream only once whole (found by fuzz/fuzz_upstream.py: a FIN
+            # inside one made a torn envelope look like a clean end).
+            and (
+                self._tracker is None
+                or (self._tracker.ended and self._tracker.at_boundary)
+                or not self._tracker.following
+            )
         ):
             reader.on_message_complete()  # a close-delimited body ends here (RFC 9112 §6.3)
             return

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from relay.core.streams import MAX_ENVELOPES_PER_READ, end_stream_frame
+from relay.core.streams import DEFAULT_HOLD_LIMIT, MAX_ENVELOPES_PER_READ, end_stream_frame
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, scripted_upstream
 from tests.support.rawhttp import Connection, Response, request_bytes
 
@@ -248,3 +248,18 @@ async def test_a_stream_no_longer_followed_ends_at_the_fin(tmp_path: Path) -> No
     response = await close_delimited_stream(tmp_path, [body])
     assert response.complete
     assert response.body == body
+
+
+async def test_a_stream_cut_inside_a_large_end_envelope_is_cut_visibly(tmp_path: Path) -> None:
+    """Found by fuzz/fuzz_upstream.py: an end-of-stream envelope larger than the tracker's hold
+    limit passes through unheld, and the tracker took its first byte for the stream's end. A
+    FIN inside it then ended the close-delimited stream as if complete: the client got a torn
+    envelope in a body that looked whole. relay cannot add its own end envelope mid-envelope,
+    so the cut must show (no last chunk), as it does for a chunked upstream cut there."""
+    first = envelope({"event": {"start": {"pid": 1}}})
+    size = DEFAULT_HOLD_LIMIT + 1  # announced; only 100 bytes of it come
+    response = await close_delimited_stream(
+        tmp_path, [first, bytes([2]) + size.to_bytes(4, "big") + b"{" * 100]
+    )
+    assert response.body.startswith(first)
+    assert not response.complete, "a torn end envelope in a body that looks whole"
