@@ -25,6 +25,9 @@ import atheris
 with atheris.instrument_imports(include=["relay"]):
     from relay.core.streams import END_STREAM_FLAG, EnvelopeTracker, FrameTracker
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from invariants import frame_ends
+
 HOLD_LIMITS = (16, 64, 1024, 256 * 1024)
 
 
@@ -39,26 +42,6 @@ def envelope_ends(data: bytes) -> tuple[list[int], bool]:
         ends.append(end)
         pos = end
     return ends, ended
-
-
-def frame_ends(data: bytes) -> set[int]:
-    """Where whole WebSocket frames end (RFC 6455 §5.2), 0 included."""
-    ends, pos = {0}, 0
-    while len(data) - pos >= 2:
-        length7 = data[pos + 1] & 0x7F
-        size = 2 + (2 if length7 == 126 else 8 if length7 == 127 else 0)
-        size += 4 if data[pos + 1] & 0x80 else 0
-        if len(data) - pos < size:
-            break
-        length = length7
-        if length7 >= 126:
-            length = int.from_bytes(data[pos + 2 : pos + (4 if length7 == 126 else 10)], "big")
-        end = pos + size + length
-        if end > len(data):
-            break
-        ends.add(end)
-        pos = end
-    return ends
 
 
 def pieces(data: bytes, cuts: list[int]) -> list[bytes]:

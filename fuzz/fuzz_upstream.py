@@ -40,7 +40,7 @@ import atheris
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 with atheris.instrument_imports(include=["relay"]):
     from fakes import LATER, Bugs, FakePool, FakeTransport, FakeUpstream, make_relay
-    from invariants import ROUTES
+    from invariants import ROUTES, frame_ends
 
     from relay import response
     from relay.core import streams
@@ -474,26 +474,7 @@ def check_splice(relayed: bytes, theirs: bytes) -> None:
     assert relayed.endswith(going_away), ("bytes the upstream did not send", relayed, after)
     frames = relayed[: -len(going_away)]
     assert after.startswith(frames), (relayed, after)
-    assert len(frames) in _frame_ends(after), ("a Close frame inside a frame", relayed, after)
-
-
-def _frame_ends(data: bytes) -> set[int]:
-    """Where whole WebSocket frames end in ``data`` (RFC 6455 §5.2), 0 included."""
-    ends, pos = {0}, 0
-    while len(data) - pos >= 2:
-        length7 = data[pos + 1] & 0x7F
-        size = 2 + (2 if length7 == 126 else 8 if length7 == 127 else 0)
-        size += 4 if data[pos + 1] & 0x80 else 0
-        if len(data) - pos < size:
-            break
-        length = length7
-        if length7 >= 126:
-            length = int.from_bytes(data[pos + 2 : pos + (4 if length7 == 126 else 10)], "big")
-        pos += size + length
-        if pos > len(data):
-            break
-        ends.add(pos)
-    return ends
+    assert len(frames) in frame_ends(after), ("a Close frame inside a frame", relayed, after)
 
 
 def _own_end(body: bytes, origin: bytes) -> bool:

@@ -56,3 +56,23 @@ def check_forward(result: Forward, settings: Settings) -> None:
         assert not set(names) & headers.CREDENTIALS, names
         for key, _ in auth.go_parse_query(result.path.partition(b"?")[2]):
             assert key.lower() not in auth.STRIPPED_PARAMS, result.path
+
+
+def frame_ends(data: bytes) -> set[int]:
+    """Where whole WebSocket frames end (RFC 6455 §5.2), 0 included."""
+    ends, pos = {0}, 0
+    while len(data) - pos >= 2:
+        length7 = data[pos + 1] & 0x7F
+        size = 2 + (2 if length7 == 126 else 8 if length7 == 127 else 0)
+        size += 4 if data[pos + 1] & 0x80 else 0
+        if len(data) - pos < size:
+            break
+        length = length7
+        if length7 >= 126:
+            length = int.from_bytes(data[pos + 2 : pos + (4 if length7 == 126 else 10)], "big")
+        end = pos + size + length
+        if end > len(data):
+            break
+        ends.add(end)
+        pos = end
+    return ends
