@@ -318,14 +318,19 @@ class Respond:
         the upstream connection, which has part of a body, is closed."""
         self.flush()
         self.state = ANSWERED
-        self._upstream_keepalive = False
+        self._let_go_of_upstream()
+        self.client.relay.unregister(self)  # no longer in flight to its sandbox (max_connections)
+        self.client.discarding()
+
+    def _let_go_of_upstream(self) -> None:
+        """Close the upstream connection, which holds part of this exchange (never reused),
+        and read the client again if it was paused for that connection's full buffer."""
         conn, self.upstream = self.upstream, None
+        self._upstream_keepalive = False
         if conn is not None:
             conn.owner = None
             conn.close()
-        self.client.resume(PAUSE_UPSTREAM_FULL)  # the body was flowing under its backpressure
-        self.client.relay.unregister(self)  # no longer in flight to its sandbox (max_connections)
-        self.client.discarding()
+        self.client.resume(PAUSE_UPSTREAM_FULL)
 
     def _unrelayable(self, why: str) -> int:
         """A head relay will not pass on: nothing was written, so the client gets a 502."""
@@ -439,12 +444,7 @@ class Respond:
             self._dial_task.cancel()
             self._dial_task = None
             self.client.resume(PAUSE_DIAL)
-        conn, self.upstream = self.upstream, None
-        self._upstream_keepalive = False
-        if conn is not None:
-            conn.owner = None
-            conn.close()
-        self.client.resume(PAUSE_UPSTREAM_FULL)
+        self._let_go_of_upstream()
         if not self.status:
             closes = self.head.upgrade or not self.request_complete
             if closes:

@@ -443,10 +443,10 @@ class ClientConnection(Slices, asyncio.Protocol):
             self.pause(PAUSE_QUEUE)
         # After start(), which writes the head upstream: the bookkeeping waits for the write
         # (on an idle core every line before it is latency; bench/README.md, "cold requests").
-        if not read:  # a replayed head started no deadline (_replay)
+        # A replayed head started no deadline (_replay); one answered within start() whose body
+        # is still to come has had its deadline renewed for that body (discarding).
+        if not read and not self._discarding:
             self.relay.timers.head_done(self)
-            if exchange.answered() and not exchange.request_complete:
-                self.discarding()  # answered within start(): its deadline was just ended
 
     def on_message_complete(self) -> None:
         # The next head's bytes count from here (the limit and the 408 of a partial head,
