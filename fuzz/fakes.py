@@ -23,6 +23,7 @@ from relay.core import headers as header_rules
 from relay.core import policy
 from relay.outbox import Outbox
 from relay.runtime import Relay
+from relay.server import ClientConnection
 from relay.upstreams import PoolKey
 
 
@@ -281,3 +282,16 @@ slices.FLOOD_SLICE_MAX = 256
 # is, and so is the 101's tail past a slice.
 response.FLOOD_SLICE = 16
 response.FLOOD_SLICE_MAX = 32
+
+
+def client_gone(conn: ClientConnection, relay: Relay) -> None:
+    """The client connection is lost: its continuations run and find nothing to do, and no
+    exchange, in-flight count or connection is left registered."""
+    conn.connection_lost(None)
+    for callback in LATER:
+        callback()
+    LATER.clear()
+    relay.outbox.end_turn()
+    assert not relay.live, relay.live
+    assert not relay.inflight, relay.inflight
+    assert not relay.connections

@@ -27,7 +27,7 @@ import atheris
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 with atheris.instrument_imports(include=["relay"]):
-    from fakes import LATER, Bugs, FakePool, FakeTransport, make_relay
+    from fakes import LATER, Bugs, FakePool, FakeTransport, client_gone, make_relay
 
     from relay.server import ClientConnection
 
@@ -114,14 +114,7 @@ def test_one_input(data: bytes) -> None:
         # Counted once the turns ran: a sliced read's rest is parsed in a later turn (LATER).
         requests = conn.requests
     relay.outbox.end_turn()
-    conn.connection_lost(None)
-    for callback in LATER:
-        callback()  # continuations after the loss find nothing to do
-    LATER.clear()
-    relay.outbox.end_turn()
-    assert not relay.live, relay.live
-    assert not relay.inflight, relay.inflight
-    assert not relay.connections
+    client_gone(conn, relay)
     if b"HEAD" in data:
         return  # answers to HEAD have no body: a plain response parser cannot frame them
     responses = Responses()

@@ -39,7 +39,15 @@ import atheris
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 with atheris.instrument_imports(include=["relay"]):
-    from fakes import LATER, Bugs, FakePool, FakeTransport, FakeUpstream, make_relay
+    from fakes import (
+        LATER,
+        Bugs,
+        FakePool,
+        FakeTransport,
+        FakeUpstream,
+        client_gone,
+        make_relay,
+    )
     from invariants import ROUTES, frame_ends
 
     from relay import response
@@ -386,14 +394,7 @@ def test_one_input(data: bytes) -> None:
             if not pooled.closed:
                 h.check_idle(pooled)
     h.turns()
-    conn.connection_lost(None)
-    for callback in LATER:
-        callback()  # continuations after the loss find nothing to do
-    LATER.clear()
-    relay.outbox.end_turn()
-    assert not relay.live, relay.live
-    assert not relay.inflight, relay.inflight
-    assert not relay.connections
+    client_gone(conn, relay)
     for made in h.pool.made:
         assert made.owner is None or made.closed, ("an upstream still owned", made.owner)
 
