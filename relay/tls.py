@@ -21,7 +21,7 @@ from relay.tlscheck import CertInfo, TLSCheckError, check_pair, read_pair
 
 
 def load_checked(
-    cert_file: Path, key_file: Path, domains: Sequence[str]
+    cert_file: Path, key_file: Path, domains: Sequence[str], *, dates: bool = True
 ) -> tuple[CertInfo, tuple[bytes, bytes], ssl.SSLContext]:
     """Read the pair once, check it (:mod:`relay.tlscheck`) and load it as OpenSSL will serve
     it; every refusal is a :class:`~relay.tlscheck.TLSCheckError` naming the key.
@@ -31,7 +31,7 @@ def load_checked(
     a traceback, exit 1 (found by review); both now run this.
     """
     pem = read_pair(cert_file, key_file)
-    info = check_pair(*pem, cert_file, key_file, domains)
+    info = check_pair(*pem, cert_file, key_file, domains, dates=dates)
     try:
         ctx = server_context(pem)
     except ssl.SSLError as exc:
@@ -104,13 +104,14 @@ class ReloadableContext:
         load_from: tuple[Path, Path] | None = None,
     ) -> None:
         """``load_from``: where to read the pair this time (a restarted worker's copy of the
-        pair its siblings serve); reloads read ``cert_file`` and ``key_file``."""
+        pair its siblings serve, whose dates are not checked again: see check_pair); reloads
+        read ``cert_file`` and ``key_file``."""
         self.cert_file = cert_file
         self.key_file = key_file
         cert, key = load_from if load_from else (Path(cert_file), Path(key_file))
         # Read once: the bytes checked are the bytes served (see server_context).
         self.info: CertInfo
-        self.info, pem, self.current = load_checked(cert, key, domains)
+        self.info, pem, self.current = load_checked(cert, key, domains, dates=not load_from)
         # The files' bytes as they were loaded, for a worker that its supervisor restarts
         # (relay.worker_config.save): the pair may be rewritten in place later.
         self.pem = pem

@@ -82,18 +82,19 @@ def problems(
     cert: x509.Certificate,
     key: PrivateKeyTypes,
     domains: Sequence[str],
-    now: datetime.datetime,
+    now: datetime.datetime | None,
 ) -> list[str]:
-    """Every reason the pair is unfit, in the order an operator should fix them."""
+    """Every reason the pair is unfit, in the order an operator should fix them; ``now``
+    None: the dates are not checked (a pair already being served, see check_pair)."""
     out = []
     if not key_matches(cert, key):
         out.append("listen.tls_key: the private key does not match the certificate")
-    if now < cert.not_valid_before_utc:
+    if now is not None and now < cert.not_valid_before_utc:
         out.append(
             f"listen.tls_cert: the certificate is not valid before "
             f"{cert.not_valid_before_utc.isoformat()}"
         )
-    if now > cert.not_valid_after_utc:
+    if now is not None and now > cert.not_valid_after_utc:
         out.append(
             f"listen.tls_cert: the certificate expired on {cert.not_valid_after_utc.isoformat()}"
         )
@@ -183,10 +184,19 @@ def check_pair(
     key_file: Path,
     domains: Sequence[str],
     now: datetime.datetime | None = None,
+    *,
+    dates: bool = True,
 ) -> CertInfo:
-    """:func:`check_files` on bytes already read (the bytes that will be served)."""
+    """:func:`check_files` on bytes already read (the bytes that will be served).
+
+    ``dates=False`` for a pair that relay already serves (a restarted worker's copy of its
+    siblings' pair): its dates were checked when it was loaded, and refusing it once it has
+    expired would not stop the siblings serving it, only keep the worker from coming back.
+    """
     cert, key = parse_pair(cert_pem, key_pem, cert_file, key_file)
-    found = problems(cert, key, domains, now or datetime.datetime.now(datetime.UTC))
+    found = problems(
+        cert, key, domains, (now or datetime.datetime.now(datetime.UTC)) if dates else None
+    )
     if found:
         raise TLSCheckError("; ".join(found))
     return info(cert)

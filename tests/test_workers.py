@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -574,6 +575,32 @@ async def test_a_worker_restarted_after_a_refused_tls_pair_serves_the_running_on
     finally:
         relay.stop()
     assert back, relay.output()[-3000:]
+
+
+async def test_a_worker_restarted_after_the_certificate_expired_comes_back(
+    tmp_path: Path,
+) -> None:
+    """Its siblings serve the pair whatever its dates now (they were checked when it was
+    loaded); a worker that dies after the certificate expired must come back and serve the
+    same, not fail its start on the date check and leave relay a worker short for good."""
+    lifetime_s = 10.0  # long enough for a slow start; the expiry is waited out below
+    expires = time.monotonic() + lifetime_s
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"], not_after_days=lifetime_s / 86400)
+    overrides: dict[str, Any] = {
+        "listen": {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file)},
+        "process": {"workers": 2},
+    }
+    relay = RelayProcess(tmp_path, [route("sbxa", insecure=True)], overrides)
+    relay.start(timeout=lifetime_s)
+    try:
+        pids = await _ready_pids(relay, lifetime_s)
+        assert pids
+        await asyncio.sleep(max(0.0, expires - time.monotonic()) + 1.5)
+        os.kill(pids[0], signal.SIGKILL)
+        back = await _ready_pids(relay, 8, exclude=pids[0])
+    finally:
+        relay.stop()
+    assert back is not None, relay.output()[-3000:]
 
 
 class _Exited:

@@ -33,8 +33,8 @@ def issue(
     directory: Path,
     dns_names: list[str],
     *,
-    not_after_days: int = 2,
-    not_before_days: int = -1,
+    not_after_days: float = 2,
+    not_before_days: float = -1,
     prefix: str = "server",
     key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey | None = None,
 ) -> Issued:
