@@ -63,7 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the relay")
     serve.add_argument("--config", required=True, help="TOML configuration file")
-    serve.add_argument("--log-level", default=os.environ.get("RELAY_LOG_LEVEL", "INFO"))
+    serve.add_argument(
+        "--log-level",
+        default=os.environ.get("RELAY_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO (the default, or $RELAY_LOG_LEVEL), WARNING (no access log), ERROR",
+    )
     check = sub.add_parser("check-config", help="validate a configuration and print it")
     check.add_argument("--config", required=True)
     check.add_argument(
@@ -86,6 +90,21 @@ def _parser() -> argparse.ArgumentParser:
     sign.add_argument("--config", help="configuration whose route source holds --sandbox")
     routes_cli.add_parser(sub)
     return parser
+
+
+def log_level(name: str) -> str:
+    """``--log-level``'s value as logging names it, or a usage error (exit 2).
+
+    logging itself raised ValueError for an unknown name: relay serve ended in a traceback
+    with exit 1, which the unit's Restart=on-failure retries for ever (exit 2 is the error
+    it does not retry, RestartPreventExitStatus=2)."""
+    level = name.upper()
+    if level not in logging.getLevelNamesMapping():
+        raise ConfigError(
+            f"--log-level: unknown level {name!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL;"
+            " $RELAY_LOG_LEVEL sets the default)"
+        )
+    return level
 
 
 def _setup_logging(level: str) -> None:
@@ -125,12 +144,13 @@ def _hold_standard_descriptors() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _hold_standard_descriptors()
+    level = log_level(args.log_level)
     from relay.lifecycle import effective_config  # noqa: PLC0415
 
     # A worker its supervisor restarted runs what its siblings run, not the file as it is now.
     saved = effective_config(os.environ, args.config)
     config = saved.config if saved is not None else load(args.config)
-    _setup_logging(args.log_level)
+    _setup_logging(level)
     # Imported here so that check-config and sign-url start without the server stack.
     import uvloop  # noqa: PLC0415
 
@@ -144,7 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         if supervises(config):  # process.workers > 1 (relay.workers)
-            return workers.supervise(config, args.log_level)
+            return workers.supervise(config, level)
         uvloop.run(serve(config, saved.tls_files if saved is not None else None))
     except StartupError as exc:
         sys.stderr.write(f"relay: cannot start: {exc}\n")  # one write: see main()

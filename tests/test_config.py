@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.__main__ import main, redacted
+from relay.__main__ import _parser, log_level, main, redacted
 from relay.addresses import split_address
 from relay.config import ConfigError, load, parse
 from tests.support.harness import serve_until_exit
@@ -259,3 +260,33 @@ def test_gc_is_kept_off_the_request_path() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30
     )
     assert result.stdout.split() == ["10000", "True"]
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_an_unknown_log_level_is_a_usage_error(tmp_path: Path, how: str) -> None:
+    """``--log-level`` (or ``$RELAY_LOG_LEVEL``, its default) naming no level ended ``relay
+    serve`` in logging's ValueError: a traceback and exit 1, which the unit's
+    ``Restart=on-failure`` retries for ever (exit 2 is the usage error it does not retry)."""
+    (tmp_path / "routes.json").write_text('{"routes": []}')
+    config = tmp_path / "relay.toml"
+    config.write_text('[listen]\naddress = "127.0.0.1:0"\n[admin]\naddress = "127.0.0.1:0"\n')
+    command = [sys.executable, "-m", "relay", "serve", "--config", str(config)]
+    env = dict(os.environ)
+    if how == "option":
+        command += ["--log-level", "verbose"]
+    else:
+        env["RELAY_LOG_LEVEL"] = "verbose"
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=30, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("relay: ")
+    assert "--log-level: unknown level 'verbose'" in line
+
+
+@pytest.mark.parametrize("level", ["debug", "WARNING", "warn", "Error"])
+def test_log_levels_in_any_case_are_taken(level: str) -> None:
+    args = _parser().parse_args(["serve", "--config", "x.toml", "--log-level", level])
+    assert log_level(args.log_level) == level.upper()
