@@ -333,3 +333,32 @@ def test_offline_skips_the_host_checks_with_workers_too(
     (tmp_path / "routes.json").write_text('{"routes": []}')
     assert main(["check-config", "--offline", "--config", str(path)]) == 0, capsys.readouterr()
     assert main(["check-config", "--config", str(path)]) == 2  # online, they are checked
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+def test_a_redis_password_file_that_is_not_utf8_is_a_config_error(
+    tmp_path: Path, command: str
+) -> None:
+    """SPEC §6-7: a bad configuration stops with one line naming the key, exit 2 (which the
+    unit does not restart). A password file that is not UTF-8 text ended both commands in a
+    UnicodeDecodeError traceback, exit 1 (serve: restarted every 2 s by Restart=)."""
+    secret = b"s3cret-\xff\xfe"
+    (tmp_path / "redis-password").write_bytes(secret + b"\n")
+    path = tmp_path / "relay.toml"
+    path.write_text(
+        '[listen]\naddress = "127.0.0.1:0"\n[admin]\naddress = "127.0.0.1:0"\n'
+        '[routes]\nsource = "redis"\nredis_url = "redis://127.0.0.1:1/0"\n'
+        'redis_password_file = "redis-password"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "relay", command, "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("relay: config error: routes.redis_password_file: ")
+    assert "s3cret" not in done.stderr + done.stdout

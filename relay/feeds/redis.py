@@ -122,11 +122,15 @@ def redis_target(config: Config, *, environment: bool = True) -> RedisTarget:
     if routes.redis_password_file:
         path = config.path(routes.redis_password_file)
         try:
-            password = path.read_text().rstrip("\r\n")
+            password = path.read_text(encoding="utf-8").rstrip("\r\n")
         except OSError as exc:
             raise ConfigError(
                 f"routes.redis_password_file: cannot read {path}: {exc.strerror}"
             ) from None
+        except UnicodeDecodeError:
+            # A traceback and exit 1 otherwise, which Restart= retries for ever. Not chained:
+            # the decode error holds the file's bytes (its .object), the password.
+            raise ConfigError(f"routes.redis_password_file: {path} is not UTF-8 text") from None
         if not password:
             raise ConfigError(f"routes.redis_password_file: {path} is empty")
     elif routes.redis_password_env and environment:
