@@ -300,7 +300,7 @@ def validate(config: Config) -> None:
         _check(
             routes.redis_url.startswith(("redis://", "rediss://", "unix://")),
             "routes.redis_url",
-            "must be a redis:// or rediss:// URL",
+            "must be a redis://, rediss:// or unix:// URL",
         )
         _check_redis_secrets(routes)
         _check_redis_options(routes.redis_url)
