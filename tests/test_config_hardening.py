@@ -362,3 +362,30 @@ def test_a_redis_password_file_that_is_not_utf8_is_a_config_error(
     (line,) = done.stderr.splitlines()
     assert line.startswith("relay: config error: routes.redis_password_file: ")
     assert "s3cret" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+@pytest.mark.parametrize("content", [b"not a certificate\n", b""], ids=["junk", "empty"])
+def test_a_redis_ca_file_without_a_certificate_is_a_config_error(
+    tmp_path: Path, command: str, content: bytes
+) -> None:
+    """A CA file that holds no certificate passed check-config and start-up; serve then
+    retried the TLS connection for ever with an X509 error and never became ready (found by
+    review). OpenSSL now loads it when the config is checked, as it will for each connection."""
+    (tmp_path / "ca.pem").write_bytes(content)
+    path = tmp_path / "relay.toml"
+    path.write_text(
+        '[listen]\naddress = "127.0.0.1:0"\n[admin]\naddress = "127.0.0.1:0"\n'
+        '[routes]\nsource = "redis"\nredis_url = "rediss://127.0.0.1:1/0"\n'
+        'redis_ca_file = "ca.pem"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "relay", command, "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("relay: config error: routes.redis_ca_file: "), line

@@ -40,6 +40,7 @@ import contextlib
 import logging
 import os
 import random
+import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
@@ -142,6 +143,19 @@ def redis_target(config: Config, *, environment: bool = True) -> RedisTarget:
     ca_file = str(config.path(routes.redis_ca_file)) if routes.redis_ca_file else None
     if ca_file is not None and not Path(ca_file).is_file():
         raise ConfigError(f"routes.redis_ca_file: {ca_file} is not a readable file")
+    if ca_file is not None:
+        # Loaded as each connection will load it: a file without a certificate passed and the
+        # feed then retried for ever with an X509 error, never ready (found by review).
+        try:
+            ssl.create_default_context(cafile=ca_file)
+        except ssl.SSLError:
+            raise ConfigError(
+                f"routes.redis_ca_file: {ca_file} holds no PEM certificate OpenSSL can load"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(
+                f"routes.redis_ca_file: cannot read {ca_file}: {exc.strerror}"
+            ) from None
     return RedisTarget(
         url=routes.redis_url,
         prefix=routes.redis_prefix,
