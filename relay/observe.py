@@ -184,9 +184,12 @@ class Observer:
             return
         if members is None:
             head = exchange.head
+            named = decision.named if isinstance(decision, Reject) else None
             members = log_members(
-                decision.sandbox_id if isinstance(decision, Reject) else None,
-                None,
+                named.sandbox_id
+                if named is not None
+                else (decision.sandbox_id if isinstance(decision, Reject) else None),
+                named.port if named is not None else None,
                 head.method.decode("latin-1"),
                 _path_only(head.target),
             )

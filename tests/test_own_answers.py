@@ -262,3 +262,36 @@ async def test_a_connection_refusal_logs_the_bytes_it_sent(
     sent = [len(answer.partition(b"\r\n\r\n")[2]) for answer in answers]
     assert all(sent), answers
     assert [line["bytes_out"] for line in access_lines] == sent
+
+
+@pytest.mark.parametrize(
+    ("target", "port", "status"),
+    [
+        ("/files", 49983, 401),  # no envd token
+        ("/", 3000, 403),  # no traffic token
+        ("/init", 49983, 404),  # envd's control path (SPEC §1)
+        ("/", 50090, 403),  # a control port
+    ],
+)
+async def test_a_refusal_logs_the_sandbox_and_port_the_request_named(
+    tmp_path: Path,
+    access_lines: list[dict[str, object]],
+    target: str,
+    port: int,
+    status: int,
+) -> None:
+    """An operator filters the access log by sandbox and port. A refusal made after the
+    target was known logged "port": null (401, 403, 429), and a control path or port no
+    sandbox_id either (found by review), while a failed dial logged both. The answer itself
+    still names no sandbox on a control path."""
+    sandbox = route("named", envd_token="envd-" + "x" * 16, traffic_token="tt-" + "y" * 16)
+    async with running_relay(tmp_path, [sandbox]) as relay:
+        head = f"GET {target} HTTP/1.1\r\nHost: {port}-named.{DOMAIN}\r\nConnection: close\r\n\r\n"
+        answer = await _exchange(relay.port, [head.encode()])
+        await asyncio.sleep(0.1)
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer
+    assert [(line["sandbox_id"], line["port"], line["status"]) for line in access_lines] == [
+        ("named", port, status)
+    ]
+    if target == "/init" or port == 50090:
+        assert b"named" not in answer

@@ -186,18 +186,18 @@ def decide(
         return _forward(head, Kind.MANAGEMENT, None, None, path, fields, names, rules, split)
     # -- control port / control path
     if found.port in settings.denied_ports:
-        return Reject(reason=Reason.CONTROL_PORT)
+        return Reject(reason=Reason.CONTROL_PORT, named=found)
     is_envd = found.port == settings.envd_port
     if is_envd and split.clean_path in policy.CONTROL_PATHS:
-        return Reject(reason=Reason.CONTROL_PATH, path=split.clean_path)
+        return Reject(reason=Reason.CONTROL_PATH, path=split.clean_path, named=found)
     # -- route lookup
     if not feed.ready:
-        return Reject(reason=Reason.NOT_READY, retry_after=NOT_READY_RETRY_AFTER_S)
+        return Reject(reason=Reason.NOT_READY, retry_after=NOT_READY_RETRY_AFTER_S, named=found)
     if feed.stale:
-        return Reject(reason=Reason.STALE, retry_after=STALE_RETRY_AFTER_S)
+        return Reject(reason=Reason.STALE, retry_after=STALE_RETRY_AFTER_S, named=found)
     route = table.routes.get(found.sandbox_id)
     if route is None:
-        return Reject(reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id)
+        return Reject(reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id, named=found)
     # -- credentials
     path = _outbound_path(split, settings.strip)
     expires: int | None = None
@@ -222,7 +222,7 @@ def decide(
         if not settings.strip:
             rules = dataclasses.replace(rules, drop=rules.drop | {headers.TRAFFIC_TOKEN})
     if refused is not None:
-        return dataclasses.replace(refused, sandbox_id=route.sandbox_id)
+        return dataclasses.replace(refused, sandbox_id=route.sandbox_id, named=found)
     # -- per-sandbox limit
     limit = route.max_connections
     if limit and inflight is not None and inflight.get(route.sandbox_id, 0) >= limit:
@@ -230,6 +230,7 @@ def decide(
             reason=Reason.SANDBOX_LIMIT,
             sandbox_id=route.sandbox_id,
             limit=route.max_connections,
+            named=found,
         )
     if host_values is None:
         rules = dataclasses.replace(rules, host=_sandbox_host(found, route, settings))

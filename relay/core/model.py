@@ -197,6 +197,10 @@ class Reject:
     path: str | None = None  # the cleaned path, for the reserved-endpoint 404
     limit: int | None = None  # the per-sandbox connection limit, for 429
     retry_after: int | None = None
+    # The sandbox and port the request named, for the access log only (never echoed: a
+    # control-path 404 does not say which sandbox it was for). Without it a 401, 403 or 429
+    # logged "port": null, and a control-path refusal no sandbox_id (found by review).
+    named: Target | None = None
 
     @property
     def status(self) -> int:
