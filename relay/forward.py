@@ -46,6 +46,13 @@ if TYPE_CHECKING:
 __all__ = ["DISCARD_LIMIT", "Exchange", "State"]
 
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+# A request relay could not send again (a body, or not idempotent) does not go on a pooled
+# connection idle for longer than this: the app may close it at its idle timeout just as the
+# request arrives, and only a replayable request is sent again then
+# (_retry_on_a_fresh_connection). Apps' idle timeouts are 5 s (Node's keepAliveTimeout,
+# uvicorn, hypercorn, Apache), 2 s (gunicorn) or longer (Go, nginx: 75 s). A fresh dial on
+# loopback or a tap device is ~0.1 ms. E2B's own proxy dials for every request.
+UNSAFE_REUSE_IDLE_S = 1.0
 # Module names for enum members, as in relay.respond (an Enum attribute is a slow lookup).
 NEW = State.NEW
 DIALING = State.DIALING
@@ -99,7 +106,12 @@ class Exchange(Respond):
             self.answer(decision)
             return
         key = self._pool_key(decision)
-        conn = relay.pool.acquire(key)
+        conn = relay.pool.acquire(
+            key,
+            0.0
+            if decision.framing is UNFRAMED and decision.method in _IDEMPOTENT
+            else UNSAFE_REUSE_IDLE_S,
+        )
         if conn is not None:
             # The request head goes upstream first, the bookkeeping after it: the upstream
             # starts on the request while relay registers the exchange. Nothing can run in

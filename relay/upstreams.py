@@ -245,7 +245,14 @@ class Pool:
         self._closing: dict[UpstreamConnection, tuple[int, float]] = {}
         self.opened = 0  # open upstream connections, idle or in use
 
-    def acquire(self, key: PoolKey) -> UpstreamConnection | None:
+    def acquire(self, key: PoolKey, max_idle_s: float = 0.0) -> UpstreamConnection | None:
+        """The most recently released live connection for ``key``, or None (dial one).
+
+        ``max_idle_s`` (0: any): a connection idle for longer is closed instead of taken (see
+        relay.forward.UNSAFE_REUSE_IDLE_S). It is the newest, so the rest are older still, but
+        they stay for requests that may take them; closing the one keeps the pool from growing
+        by a connection per such request.
+        """
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
@@ -253,6 +260,9 @@ class Pool:
                 del self._idle[key]
             transport = conn.transport
             if not conn.closed and transport is not None and not transport.is_closing():
+                if max_idle_s and self._clock() - conn.idle_since > max_idle_s:
+                    conn.close()
+                    return None
                 conn.uses += 1
                 return conn
             idle = self._idle.get(key)

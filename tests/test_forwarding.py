@@ -450,6 +450,56 @@ async def test_a_stale_pooled_connection_is_retried_once_for_idempotent_requests
         await server.wait_closed()
 
 
+async def test_a_request_that_cannot_be_sent_again_avoids_a_connection_idle_past_a_second(
+    tmp_path: Path,
+) -> None:
+    """The idle-close race a retry cannot mend: the app closes a keep-alive connection after
+    its idle timeout (Node, uvicorn and Apache: 5 s) just as relay sends a POST on it. relay
+    cannot send a body twice (RFC 9110 §9.2.2), and answered 502. A request with a body, or
+    not idempotent, now goes on a fresh connection when the pooled one has been idle for
+    longer than ``UNSAFE_REUSE_IDLE_S``, and that connection is closed, so the pool does not
+    grow; a GET still reuses it (a race on it is sent again). The upstream here plays the race:
+    a request on a connection idle for over 1.2 s is met with a close."""
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        answered = -1.0
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            if answered >= 0 and time.monotonic() - answered > 1.2:
+                break  # its idle timeout fired as the request came: close, no answer
+            length = 1 if head.startswith(b"POST") else 0
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            answered = time.monotonic()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("idlerace", insecure=True)]) as relay:
+            host = app_host(port, "idlerace")
+            assert (await request(relay.port, "POST", "/1", host, body=b"x")).status == 200
+            await asyncio.sleep(1.5)
+            post = await request(relay.port, "POST", "/2", host, body=b"x")
+            assert (post.status, post.body) == (200, b"ok")
+            assert connections == 2
+            assert relay.relay.pool.opened == 1  # the stale one was closed, not kept
+            await asyncio.sleep(1.5)
+            get = await request(relay.port, "GET", "/3", host)  # reused, raced, sent again
+            assert (get.status, get.body) == (200, b"ok")
+            assert connections == 3
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_length_body_passed_through_in_pieces_stops_at_its_length(tmp_path: Path) -> None:
     """After the head, a Content-Length body is copied straight to the client: pieces arrive
     as sent, and bytes after the announced length (an injected second response) never do."""
