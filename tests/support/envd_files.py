@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
-from urllib.parse import parse_qs, quote
+from urllib.parse import quote, unquote_plus
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
@@ -125,8 +125,7 @@ class FileParams:
 
 def bind_file_params(raw_query: str) -> FileParams:
     """api.gen.go binding: each parameter at most once; signature_expiration an integer."""
-    # Go's url.Query(): '&'-separated, '+' is a space, blank values kept.
-    query = parse_qs(raw_query, keep_blank_values=True)
+    query = go_url_query(raw_query)
     values: dict[str, str | None] = {}
     for name in ("path", "username", "signature", "signature_expiration"):
         found = query.get(name)
@@ -146,6 +145,30 @@ def bind_file_params(raw_query: str) -> FileParams:
         signature=values["signature"],
         signature_expiration=None if expiration is None else _parse_go_int64(expiration),
     )
+
+
+_GO_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def go_url_query(raw_query: str) -> dict[str, list[str]]:
+    """Go's ``url.ParseQuery`` as ``r.URL.Query()`` gives it to envd's parameter binding.
+
+    Pairs are split on ``&`` only; a pair holding a ``;`` (Go >= 1.17) or a malformed escape
+    (``%`` not followed by two hex digits, in its key or value) is dropped, not kept; ``+`` is
+    a space; blank values are kept. Python's ``parse_qs`` keeps both kinds of pair, so a
+    repeated ``path`` that envd reads as one value was a 400 here.
+    """
+    query: dict[str, list[str]] = {}
+    for segment in raw_query.split("&"):
+        if not segment or ";" in segment:
+            continue
+        key, _, value = segment.partition("=")
+        if _GO_ESCAPE.search(key) or _GO_ESCAPE.search(value):
+            continue
+        query.setdefault(unquote_plus(key, errors="surrogateescape"), []).append(
+            unquote_plus(value, errors="surrogateescape")
+        )
+    return query
 
 
 def _parse_go_int64(text: str) -> int:
@@ -171,7 +194,8 @@ def sign(path: str, operation: str, username: str, token: str, expiration: int |
     parts = [path, operation, username, token]
     if expiration is not None:
         parts.append(str(expiration))
-    digest = hashlib.sha256(":".join(parts).encode()).digest()
+    # Go hashes the query's bytes as decoded, UTF-8 or not (go_url_query keeps them).
+    digest = hashlib.sha256(":".join(parts).encode("utf-8", "surrogateescape")).digest()
     return "v1_" + base64.b64encode(digest).decode().rstrip("=")
 
 

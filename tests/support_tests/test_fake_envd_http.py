@@ -7,6 +7,7 @@ import base64
 import gzip
 import json
 import time
+from urllib.parse import quote
 
 import aiohttp
 import pytest
@@ -146,6 +147,25 @@ async def test_signed_download(secure_envd: FakeEnvd, http: aiohttp.ClientSessio
     async with http.get(url, params=bad) as response:
         assert response.status == 400
         assert response.content_type == "text/plain"
+
+
+async def test_file_parameters_are_read_as_gos_url_query(secure_envd: FakeEnvd) -> None:
+    """envd binds /files parameters from Go's ``r.URL.Query()`` (api.gen.go): a pair with a
+    malformed escape or a ``;`` is dropped, not kept as a second value. A relay in front reads
+    a signed URL's ``path`` the same way; a fake that kept such pairs answered 400 where envd
+    serves the signed file (or would serve another file where envd refuses)."""
+    secure_envd.host_path("/home/user/s.txt").write_text("secret")
+    good = quote(sign("/home/user/s.txt", "read", "", TOKEN, None), safe="")
+    signed = f"path=%2Fhome%2Fuser%2Fs.txt&signature={good}"
+    for extra in ("path=%zz", "path=%2Fetc%2Fpasswd;x", "signature=v1_x;"):
+        for query in (f"{extra}&{signed}", f"{signed}&{extra}"):
+            answer = await raw_exchange(
+                secure_envd,
+                f"GET /files?{query} HTTP/1.1\r\nHost: e\r\nAccept-Encoding: identity\r\n"
+                "Connection: close\r\n\r\n".encode(),
+            )
+            assert answer.startswith(b"HTTP/1.1 200"), (query, answer[:200])
+            assert answer.endswith(b"\r\n\r\nsecret"), query
 
 
 async def test_repeated_file_parameter_is_a_binding_error(
