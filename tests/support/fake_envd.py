@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from tests.support.connect import (
     STREAM_CONTENT_TYPE,
@@ -150,15 +151,17 @@ class FakeEnvd(FakeServer):
     # -- dispatch -------------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest, record: RecordHandle) -> web.StreamResponse:
-        origin = request.headers.get("Origin")
-        preflight = request.method == "OPTIONS" and request.headers.get(
-            "Access-Control-Request-Method"
-        )
-        if origin is not None and preflight:
+        # rs/cors 1.11.1 (cors.go Handler): any OPTIONS whose (first) Access-Control-Request-
+        # Method is not empty is a preflight, answered here, before the token check, with or
+        # without an Origin.
+        if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             return _cors_preflight(request)
         response = await self._authorized(request, record)
         if not response.prepared:
-            response.headers.extend(_cors_headers(request))
+            cors = _cors_headers(request)
+            if "Vary" in response.headers:  # the handler's Set replaced rs/cors's Vary
+                cors = [pair for pair in cors if pair[0] != "Vary"]
+            response.headers.extend(cors)
         return response
 
     async def _authorized(
@@ -395,9 +398,11 @@ def _connect_error_answer(request: web.BaseRequest, error: ConnectError) -> web.
 
 
 def _cors_headers(request: web.BaseRequest) -> list[tuple[str, str]]:
-    """rs/cors on an actual (non-preflight) request that carries an Origin."""
-    if request.headers.get("Origin") is None:
-        return []
+    """rs/cors handleActualRequest: ``Vary: Origin`` always (set before the handler runs, so a
+    handler's own ``Vary``, as /files download sets it, replaces it: see ``_handle``), the
+    allow and expose fields only when the request has an Origin."""
+    if not request.headers.get("Origin"):
+        return [("Vary", "Origin")]
     return [
         ("Vary", "Origin"),
         ("Access-Control-Allow-Origin", "*"),
@@ -405,20 +410,28 @@ def _cors_headers(request: web.BaseRequest) -> list[tuple[str, str]]:
     ]
 
 
+_CORS_METHODS = frozenset({"HEAD", "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 def _cors_preflight(request: web.BaseRequest) -> web.Response:
-    """rs/cors preflight with envd's options (main.go withCORS)."""
-    method = request.headers.get("Access-Control-Request-Method", "").upper()
-    headers = {"Vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"}
-    if method in ("HEAD", "GET", "POST", "PUT", "PATCH", "DELETE"):
-        headers |= {
-            "Access-Control-Allow-Origin": "*",
-            "Access-Control-Allow-Methods": method,
-            "Access-Control-Max-Age": "7200",
-        }
-        requested = request.headers.get("Access-Control-Request-Headers")
-        if requested:
-            headers["Access-Control-Allow-Headers"] = requested
-    return web.Response(status=204, headers=headers)
+    """rs/cors 1.11.1 handlePreflight with envd's options (main.go withCORS): 204 always; the
+    allow fields only with an Origin and a method allowed as sent (compared case-sensitively,
+    OPTIONS always allowed); the requested method and headers are echoed."""
+    headers: list[tuple[str, str]] = [
+        ("Vary", "Origin, Access-Control-Request-Method, Access-Control-Request-Headers")
+    ]
+    method = request.headers.get("Access-Control-Request-Method", "")
+    if request.headers.get("Origin") and method in _CORS_METHODS:
+        headers.append(("Access-Control-Allow-Origin", "*"))
+        headers.extend(
+            ("Access-Control-Allow-Methods", value)
+            for value in request.headers.getall("Access-Control-Request-Method")
+        )
+        requested = request.headers.getall("Access-Control-Request-Headers", [])
+        if requested and requested[0]:
+            headers.extend(("Access-Control-Allow-Headers", value) for value in requested)
+        headers.append(("Access-Control-Max-Age", "7200"))
+    return web.Response(status=204, headers=CIMultiDict(headers))
 
 
 def _json_response(payload: Mapping[str, Any]) -> web.Response:

@@ -340,6 +340,37 @@ async def test_cors_preflight_and_simple(envd: FakeEnvd, http: aiohttp.ClientSes
         assert r.headers["Access-Control-Allow-Origin"] == "*"
 
 
+async def test_cors_answers_as_rs_cors_1_11_1(secure_envd: FakeEnvd) -> None:
+    """envd's rs/cors (v1.11.1, cors.go Handler) takes any OPTIONS with a non-empty
+    Access-Control-Request-Method as a preflight and answers it 204 itself, before envd's
+    token check, Origin or not; the allowed methods are compared as sent (``post`` is not
+    ``POST``), and every other response carries ``Vary: Origin``."""
+
+    async def options(headers: str) -> bytes:
+        return await raw_exchange(
+            secure_envd,
+            f"OPTIONS /process.Process/Start HTTP/1.1\r\nHost: e\r\n{headers}"
+            "Connection: close\r\n\r\n".encode(),
+        )
+
+    no_origin = await options("Access-Control-Request-Method: POST\r\n")
+    assert no_origin.startswith(b"HTTP/1.1 204"), no_origin[:120]
+    assert b"Access-Control-Allow-Origin" not in no_origin
+    assert (
+        b"\r\nVary: Origin, Access-Control-Request-Method, Access-Control-Request-Headers\r\n"
+        in (no_origin)
+    )
+    lower = await options("Origin: https://x.example\r\nAccess-Control-Request-Method: post\r\n")
+    assert lower.startswith(b"HTTP/1.1 204"), lower[:120]
+    assert b"Access-Control-Allow-Origin" not in lower
+    health = await raw_exchange(
+        secure_envd, b"GET /health HTTP/1.1\r\nHost: e\r\nConnection: close\r\n\r\n"
+    )
+    assert health.startswith(b"HTTP/1.1 204")
+    assert b"\r\nVary: Origin\r\n" in health
+    assert b"Access-Control-Allow-Origin" not in health
+
+
 async def test_records_keep_the_raw_request(envd: FakeEnvd) -> None:
     request = (
         b"POST /files?path=%2Fhome%2Fuser%2Fr.txt&signature=v1_abc HTTP/1.1\r\n"
