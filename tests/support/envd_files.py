@@ -69,6 +69,8 @@ _GO_MIME_TYPES = {
     ".webp": "image/webp",
     ".xml": "text/xml; charset=utf-8",
 }
+# The request key under which fake_envd leaves rs/cors's fields for a streamed answer.
+CORS_FIELDS = web.RequestKey("cors_fields", list[tuple[str, str]])
 _TOKEN_SPECIALS = set('()<>@,;:\\"/[]?=')
 _METADATA_PREFIX = "x-metadata-"  # upload.go metadataHeaderPrefix
 _XATTR_PREFIX = "user.e2b."
@@ -521,7 +523,9 @@ class FilesApi:
                     )
                 )
             encoding = "identity"
-        headers = {
+        # rs/cors's fields come first; download.go's Set("Vary", ...) then replaces its Vary.
+        headers = dict(request.get(CORS_FIELDS, []))
+        headers |= {
             "Vary": "Accept-Encoding",
             "Content-Disposition": content_disposition(posixpath.basename(go_clean(resolved))),
         }

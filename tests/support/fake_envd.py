@@ -43,7 +43,7 @@ from tests.support.connect import (
     end_stream_envelope,
     envelope,
 )
-from tests.support.envd_files import FilesApi, json_error
+from tests.support.envd_files import CORS_FIELDS, FilesApi, json_error
 from tests.support.envd_filesystem import FilesystemService
 from tests.support.envd_process import ProcessService
 from tests.support.envd_rpc import Call, StreamMethod, UnaryMethod, keepalive_interval
@@ -156,9 +156,12 @@ class FakeEnvd(FakeServer):
         # without an Origin.
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             return _cors_preflight(request)
+        # rs/cors sets its fields before envd's handler runs: a handler that streams its
+        # answer (a download) sends them with its head (FilesApi reads them from here).
+        request[CORS_FIELDS] = _cors_headers(request)
         response = await self._authorized(request, record)
         if not response.prepared:
-            cors = _cors_headers(request)
+            cors = request[CORS_FIELDS]
             if "Vary" in response.headers:  # the handler's Set replaced rs/cors's Vary
                 cors = [pair for pair in cors if pair[0] != "Vary"]
             response.headers.extend(cors)

@@ -371,6 +371,23 @@ async def test_cors_answers_as_rs_cors_1_11_1(secure_envd: FakeEnvd) -> None:
     assert b"Access-Control-Allow-Origin" not in health
 
 
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+async def test_a_download_with_an_origin_has_the_cors_fields(
+    encoding: str, envd: FakeEnvd, http: aiohttp.ClientSession
+) -> None:
+    """rs/cors writes its fields before envd's handler runs, so a download (streamed, in
+    either coding) carries them too; download.go's ``Set("Vary", ...)`` replaces its Vary."""
+    envd.host_path("/home/user/a.txt").write_text("hello")
+    headers = {"Origin": "https://x.example", "Accept-Encoding": encoding}
+    url = f"{envd.url}/files?path=%2Fhome%2Fuser%2Fa.txt"
+    async with http.get(url, headers=headers) as response:
+        assert response.status == 200
+        assert response.headers["Access-Control-Allow-Origin"] == "*"
+        assert "Location" in response.headers["Access-Control-Expose-Headers"]
+        assert response.headers.getall("Vary") == ["Accept-Encoding"]
+        assert await response.read()
+
+
 async def test_records_keep_the_raw_request(envd: FakeEnvd) -> None:
     request = (
         b"POST /files?path=%2Fhome%2Fuser%2Fr.txt&signature=v1_abc HTTP/1.1\r\n"
