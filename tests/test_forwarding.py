@@ -235,6 +235,36 @@ async def test_chunked_upload_is_streamed_and_reframed(
     assert ("Transfer-Encoding", "chunked") in upstream.seen[0].headers
 
 
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+async def test_an_empty_body_keeps_its_content_length_zero(
+    relay: RelayUnderTest, upstream: Upstream, method: str
+) -> None:
+    """A client that says ``Content-Length: 0`` (a browser's ``fetch`` POST without a body,
+    requests' ``post(url)``, ``curl -d ''``; RFC 9110 §8.6: a user agent normally sends it
+    even when empty) must not reach the guest without it. relay re-frames every request, and
+    an empty one was forwarded with no framing field at all: the same message under RFC 9112
+    §6.3, but apps that read ``int(headers["Content-Length"])`` (Python's http.server
+    handlers) failed, and servers that want a length answer 411. E2B's proxy (Go's
+    transport: transfer.go shouldSendContentLength) sends ``Content-Length: 0`` for these
+    methods. A request without the field is still forwarded without it."""
+    token = [("E2b-Traffic-Access-Token", "traffic-secret")]
+    conn = await Connection.open(relay.port)
+    await conn.send(
+        request_bytes(method, "/empty", app_host(upstream.port), [*token, ("Content-Length", "0")])
+    )
+    empty = await conn.read_response()
+    await conn.send(request_bytes(method, "/none", app_host(upstream.port), token))
+    none = await conn.read_response()
+    await conn.close()
+    assert (empty.status, none.status) == (200, 200)
+    sent_empty, sent_none = upstream.seen
+    assert ("Content-Length", "0") in sent_empty.headers
+    assert sent_empty.body == b""
+    names = {name.lower() for name, _ in sent_none.headers}
+    assert "content-length" not in names
+    assert "transfer-encoding" not in names
+
+
 async def test_streamed_response_arrives_incrementally(
     relay: RelayUnderTest, upstream: Upstream
 ) -> None:

@@ -188,6 +188,14 @@ def request_headers(
         out.append((b"Content-Length", str(rules.content_length).encode()))
     elif rules.framing is Framing.CHUNKED:
         out.append((b"Transfer-Encoding", b"chunked"))
+    elif b"content-length" in fields:
+        # No body, and the client said so with ``Content-Length: 0`` (a validated length of
+        # zero is the only one framed NONE): said again. Without any framing field the
+        # message is the same (RFC 9112 §6.3), but a user agent normally sends the 0 (RFC 9110
+        # §8.6), apps read it (Python's http.server handlers: int(headers["Content-Length"]))
+        # and servers that want a length answer 411; E2B's proxy (Go's transport,
+        # transfer.go shouldSendContentLength) sends it too.
+        out.append((b"Content-Length", b"0"))
     if rules.websocket:
         out.append((b"Connection", b"Upgrade"))
         out.append((b"Upgrade", b"websocket"))
