@@ -155,10 +155,23 @@ class FakeServer:
             self._live.add(transport)
         try:
             response = await self._handle(request, handle)
-            if not isinstance(response, web.WebSocketResponse) and not response.prepared:
-                # Count what the handler left unread, as Go's server also reads (and discards)
-                # the rest of a body before reusing the connection.
-                await drain_body(request, handle)
+            if isinstance(response, web.WebSocketResponse) or response.prepared:
+                return response
+            if _expects_continue(request) and not request.get(_CONTINUED, False):
+                # Go's server (envd's): a handler that answers an Expect: 100-continue request
+                # without reading its body sent no 100, so the client may be holding the body
+                # back; the answer goes at once and the connection closes after it (server.go,
+                # closeAfterReply) instead of waiting for a body that may never come (aiohttp
+                # would linger 10 s reading it before its close).
+                response.force_close()
+                await response.prepare(request)
+                await response.write_eof()
+                if transport is not None:
+                    transport.close()  # after what was written: a FIN, not a reset
+                return response
+            # Count what the handler left unread, as Go's server also reads (and discards)
+            # the rest of a body before reusing the connection.
+            await drain_body(request, handle)
             return response
         finally:
             if transport is not None:
@@ -178,8 +191,29 @@ def abort_with_reset(transport: asyncio.Transport) -> None:
     transport.abort()
 
 
+_CONTINUED = web.RequestKey("continued", bool)
+
+
+def _expects_continue(request: web.BaseRequest) -> bool:
+    return (
+        request.version >= (1, 1)
+        and request.headers.get("Expect", "").lower() == "100-continue"
+        # Go's server only expects a body it was told of (req.ContentLength != 0).
+        and (bool(request.content_length) or "Transfer-Encoding" in request.headers)
+    )
+
+
 async def iter_body(request: web.BaseRequest, record: RecordHandle) -> AsyncIterator[bytes]:
-    """The request body as it arrives, counted into the record."""
+    """The request body as it arrives, counted into the record.
+
+    A request that asked ``Expect: 100-continue`` gets its ``100 Continue`` when the body is
+    first read, as Go's server (envd's) sends it (server.go expectContinueReader); aiohttp's
+    low-level server never sends one, so a client holding its body back waited for ever.
+    """
+    if _expects_continue(request) and not request.get(_CONTINUED, False):
+        request[_CONTINUED] = True
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own expect handler: the head is next
     async for chunk in request.content.iter_any():
         record.feed(chunk)
         yield chunk

@@ -388,6 +388,41 @@ async def test_a_download_with_an_origin_has_the_cors_fields(
         assert await response.read()
 
 
+async def test_expect_100_continue_as_gos_server(secure_envd: FakeEnvd) -> None:
+    """envd's net/http: ``100 Continue`` goes out when a handler first reads the body; a
+    handler that answers without reading it (a refusal) answers at once, with ``Connection:
+    close`` and without waiting for the body (server.go expectContinueReader,
+    closeAfterReply). The fake did neither: a client holding its body back for the 100, as
+    curl does for a large upload, got no answer at all, even a 401."""
+    reader, writer = await asyncio.open_connection(secure_envd.host, secure_envd.port)
+    try:
+        writer.write(
+            b"POST /files?path=%2Fhome%2Fuser%2Fe.txt HTTP/1.1\r\nHost: e\r\n"
+            b"X-Access-Token: " + TOKEN.encode() + b"\r\nExpect: 100-continue\r\n"
+            b"Content-Type: application/octet-stream\r\nContent-Length: 5\r\n\r\n"
+        )
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"hello")
+        final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert final.startswith(b"HTTP/1.1 200")
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    assert secure_envd.host_path("/home/user/e.txt").read_bytes() == b"hello"
+    refused = await asyncio.wait_for(
+        raw_exchange(
+            secure_envd,
+            b"POST /process.Process/List HTTP/1.1\r\nHost: e\r\nExpect: 100-continue\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n",
+        ),
+        5,
+    )
+    assert refused.startswith(b"HTTP/1.1 401")
+    assert b"\r\nConnection: close\r\n" in refused
+    assert b"100 Continue" not in refused
+
+
 async def test_records_keep_the_raw_request(envd: FakeEnvd) -> None:
     request = (
         b"POST /files?path=%2Fhome%2Fuser%2Fr.txt&signature=v1_abc HTTP/1.1\r\n"
