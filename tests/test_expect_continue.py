@@ -16,9 +16,12 @@ says ``Connection: close`` and closes (lingering), as for a body past the discar
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import quote
 
+from relay.core.auth import file_signature
 from tests.support.harness import DOMAIN, route, running_relay
 from tests.support.rawhttp import Connection
+from tests.support.sdk_matrix import _bind_envd_and_app
 
 ENVD = f"49983-sbx.{DOMAIN}"
 
@@ -60,3 +63,38 @@ async def test_a_refusal_without_the_expectation_keeps_the_connection(tmp_path: 
             assert (await conn.read_response()).status == 401  # the same connection
         finally:
             await conn.close()
+
+
+async def test_a_signed_upload_waiting_for_its_100_reaches_envd(tmp_path: Path) -> None:
+    """curl's large upload to a signed URL: the head with ``Expect: 100-continue``, then the
+    body only once a 100 came. relay checks the signature on the head and forwards it with the
+    expectation; envd's Go server sends the 100 when its handler reads the body (the fake envd
+    does so too since it speaks envd's Expect handling), relay passes it on, the body follows.
+    Through a relay that answered or dropped the expectation itself, the client would stall or
+    see a second 100."""
+    envd, app = await _bind_envd_and_app()
+    try:
+        routes = [route("sbx", envd.host, envd_token="envd-tok")]
+        async with running_relay(tmp_path, routes) as relay:
+            signature = quote(file_signature("/home/user/up.bin", "write", "", "envd-tok", None))
+            conn = await Connection.open(relay.port)
+            try:
+                await conn.send(
+                    f"POST /files?path=%2Fhome%2Fuser%2Fup.bin&signature={signature} HTTP/1.1\r\n"
+                    f"Host: {ENVD}\r\nExpect: 100-continue\r\n"
+                    "Content-Type: application/octet-stream\r\nContent-Length: 10\r\n\r\n".encode()
+                )
+                interim = await conn.read_response()
+                assert interim.status == 100
+                await conn.send(b"0123456789")
+                final = await conn.read_response()
+                assert final.status == 200, final.body
+            finally:
+                await conn.close()
+        assert envd.host_path("/home/user/up.bin").read_bytes() == b"0123456789"
+        (record,) = envd.requests_to("/files")
+        assert "signature" not in record.target
+        assert record.header_all("expect") == ["100-continue"]
+    finally:
+        await app.close()
+        await envd.close()
