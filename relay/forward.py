@@ -45,8 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DISCARD_LIMIT", "Exchange", "State"]
 
-_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
-# A request relay could not send again (a body, or not idempotent) does not go on a pooled
+# A request relay could not send again (Forward.replayable) does not go on a pooled
 # connection idle for longer than this: the app may close it at its idle timeout just as the
 # request arrives, and only a replayable request is sent again then
 # (_retry_on_a_fresh_connection). Apps' idle timeouts are 5 s (Node's keepAliveTimeout,
@@ -106,12 +105,7 @@ class Exchange(Respond):
             self.answer(decision)
             return
         key = self._pool_key(decision)
-        conn = relay.pool.acquire(
-            key,
-            0.0
-            if decision.framing is UNFRAMED and decision.method in _IDEMPOTENT
-            else UNSAFE_REUSE_IDLE_S,
-        )
+        conn = relay.pool.acquire(key, 0.0 if decision.replayable else UNSAFE_REUSE_IDLE_S)
         if conn is not None:
             # The request head goes upstream first, the bookkeeping after it: the upstream
             # starts on the request while relay registers the exchange. Nothing can run in
@@ -366,8 +360,7 @@ class Exchange(Respond):
             or self.status
             or self._interim_sent  # a 1xx reached the client: it must not see it twice
             or not isinstance(decision, Forward)
-            or decision.framing is not UNFRAMED
-            or decision.method not in _IDEMPOTENT
+            or not decision.replayable
         ):
             return False
         self._retried = True

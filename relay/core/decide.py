@@ -36,6 +36,7 @@ from relay.core.routes import Network, RouteTable
 STALE_RETRY_AFTER_S = 5
 NOT_READY_RETRY_AFTER_S = 2
 _HTTP_VERSIONS = frozenset({"1.1", "1.0"})
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})  # that relay may send twice (Forward)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -308,4 +309,5 @@ def _forward(
             else None
         ),
         expires=expires,
+        replayable=rules.framing is Framing.NONE and head.method in _IDEMPOTENT,
     )

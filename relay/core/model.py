@@ -243,6 +243,10 @@ class Forward:
     # The last Unix second at which this decision holds: a signed URL's
     # ``signature_expiration`` (``auth.envd_verdict``). None: it does not depend on the clock.
     expires: int | None = None
+    # relay may send it twice (RFC 9110 §9.2.2: an idempotent method, and no body to replay):
+    # again on a fresh connection when a reused one closes before answering
+    # (relay.forward.UNSAFE_REUSE_IDLE_S).
+    replayable: bool = False
 
 
 Decision = Forward | Reject
