@@ -56,7 +56,6 @@ class Closing:
 
     # The fields both halves use (ClientConnection sets them in __init__ and adds its own).
     __slots__ = (
-        "_client_eof",
         "_close_left",
         "_close_moved",
         "_discarding",
@@ -69,6 +68,7 @@ class Closing:
         "_refused_head",
         "active",
         "below",
+        "client_eof",
         "closing",
         "parser",
         "peer",
@@ -100,7 +100,7 @@ class Closing:
     below: asyncio.Transport | None  # a TLS connection's TCP transport (relay.handshake)
     _fin_progress: tuple[int, float]  # what a gone WebSocket client's upstream took, and when
     _discarding: bool  # the active request's body is only dropped, on a deadline (discarding)
-    _client_eof: bool
+    client_eof: bool
     tls: bool
 
     def write(self, data: bytes) -> None:
@@ -135,10 +135,16 @@ class Closing:
             return False
         if self._lingering:
             return False  # the answer went out before the linger began
+        self.client_eof = True
         # Requests already read are still answered, in order (a client may send its last
-        # pipelined requests and half-close); then the connection closes.
-        self._client_eof = True
-        return True
+        # pipelined requests and half-close); then the connection closes. Not a stream
+        # (chunked, no end in sight): it is not waited out for a client that has most likely
+        # gone. TCP does not tell a close from a half-close, and the stream would hold its
+        # upstream until an event's write found the client gone (envd pings a quiet watch
+        # every 50 s). The JS SDK over plain HTTP, and a front proxy whose client left, end a
+        # stream with a FIN; Go's server and nginx take it as an abort too (README,
+        # "Half-closed clients wait"; found by review).
+        return not self.active.streaming()
 
     def exchange_cut(self, exchange: object) -> None:
         """The active exchange ended without a clean end: the client must see it."""

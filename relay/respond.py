@@ -135,6 +135,10 @@ class Respond:
     _upstream_keepalive: bool
     _dial_task: asyncio.Task[None] | None
 
+    def streaming(self) -> bool:
+        """A response of unknown length (chunked to the client) is under way: a stream."""
+        return self._client_framing is CHUNKED and bool(self.status) and not self.response_complete
+
     def flush(self) -> None:
         """Write what the response produced so far (one upstream read) in one writev."""
         out = self._out
@@ -297,6 +301,8 @@ class Respond:
             return self._unrelayable(plan.unrelayable)
         self._client_framing = plan.framing
         self.keep_alive = plan.keep_alive
+        if plan.framing is CHUNKED and self.client.client_eof:
+            self.client.close()  # a stream for a client that sent its FIN (streaming())
         if plan.connect_stream:
             self._tracker = EnvelopeTracker()
         self._out.append(plan.head)

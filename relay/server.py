@@ -119,7 +119,7 @@ class ClientConnection(Slices, asyncio.Protocol):
         self._refusal: Reject | None = None  # a framing refusal waiting for earlier answers
         self._refused_head: RequestHead | None = None
         self._starting = False  # exchange_finished is starting queued exchanges
-        self._client_eof = False  # the client half-closed: close once its requests are answered
+        self.client_eof = False  # the client half-closed: close once its requests are answered
         self._discarding = False
         self.write_paused = False
         self.active: Exchange | None = None  # the exchange whose response is being written
@@ -558,7 +558,7 @@ class ClientConnection(Slices, asyncio.Protocol):
             # every earlier request is answered: now the refusal
             self.refuse(self._refusal, head=self._refused_head)
             return
-        if self._client_eof:
+        if self.client_eof:
             self.close()  # every request the client sent before its FIN is answered
             return
         self.resume(PAUSE_QUEUE)

@@ -1,0 +1,114 @@
+"""A client's FIN during a response of unknown length ends the exchange (README, "Half-closed
+clients wait"): a stream is not waited out for a client that has most likely gone.
+
+A FIN is a half-close or a close, and TCP does not say which. relay answers every request a
+half-closed client sent, but a stream (a Connect server stream, a watch, SSE: chunked, no end
+in sight) would hold its upstream until the next event's write found the client gone; envd's
+watch sends a keep-alive ping only every 50 s. The E2B JS SDK over plain HTTP ends a stream with
+a FIN (undici's ``socket.end()``), and so does a front proxy or load balancer whose client left;
+Go's server (E2B's proxy) and nginx take the FIN as an abort too. A response with a length is
+still answered to a half-closed client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+EVENT = b'\x00\x00\x00\x00\x0b{"event":1}'
+CHUNK = b"%x\r\n" % len(EVENT) + EVENT + b"\r\n"
+
+
+def _request(port: int) -> bytes:
+    return (
+        f"POST /process.Process/Start HTTP/1.1\r\nHost: {port}-finstream.{DOMAIN}\r\n"
+        "Content-Type: application/connect+json\r\nContent-Length: 2\r\n\r\n{}"
+    ).encode()
+
+
+@pytest.mark.parametrize("head_first", [True, False], ids=["fin-mid-stream", "fin-before-head"])
+@pytest.mark.parametrize("how", ["shutdown", "close"])
+async def test_a_fin_during_a_stream_ends_it_upstream(
+    tmp_path: Path, head_first: bool, how: str
+) -> None:
+    """The upstream sends one event and then nothing (as a watch with no change does); the
+    client sends its FIN after that event, or before the stream's head came. relay must close
+    the upstream connection at once, not when a later event finds the client gone."""
+    upstream_closed = asyncio.Event()
+    request_seen = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        request_seen.set()
+        if not head_first:
+            await go_on.wait()
+        writer.write(STREAM_HEAD + CHUNK)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+            await reader.read()  # nothing more is sent; EOF when relay closes this connection
+        upstream_closed.set()
+        writer.close()
+
+    async with (
+        scripted_upstream(stream) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(_request(port))
+        await request_seen.wait()
+        if head_first:
+            got = b""
+            async with asyncio.timeout(5):
+                while EVENT not in got:
+                    got += await reader.read(65536)
+        if how == "shutdown":
+            writer.write_eof()
+        else:
+            writer.close()
+        await asyncio.sleep(0.2)
+        go_on.set()
+        started = time.monotonic()
+        await asyncio.wait_for(upstream_closed.wait(), 3)
+        assert time.monotonic() - started < 2
+        await asyncio.sleep(0.05)
+        assert relay.relay.pool.opened == 0
+        writer.close()
+
+
+async def test_a_half_closed_client_still_gets_an_answer_with_a_length(tmp_path: Path) -> None:
+    """The half-close that relay keeps serving: a request, then shutdown(SHUT_WR), and an
+    answer that comes later with a Content-Length."""
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        await asyncio.sleep(0.3)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        await writer.drain()
+        writer.close()
+
+    async with (
+        scripted_upstream(slow) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(_request(port))
+        await writer.drain()
+        writer.write_eof()
+        async with asyncio.timeout(5):
+            answer = await reader.read()
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    assert answer.endswith(b"\r\n\r\nhello")
