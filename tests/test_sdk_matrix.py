@@ -1,20 +1,24 @@
-"""The unmodified E2B Python SDK (2.25.0, 2.52.0, 2.63.0) through a real relay, both URL forms.
+"""The unmodified E2B SDKs through a real relay, both URL forms: Python 2.25.0, 2.52.0, 2.63.0
+and JavaScript 2.8.4, 2.51.0.
 
-Each SDK release lives in its own cached virtualenv (tests/.cache/, created on first use; the
-whole matrix is skipped, saying why, when the package index is unreachable). The six runs
-(3 versions, 2 URL forms) go in parallel, each with its own relay process, fakes and driver process
-(``tests/support/sdk_matrix.py``, ``tests/support/sdk_scenario.py``).
+Each Python release lives in its own cached virtualenv (tests/.cache/, created on first use; the
+whole matrix is skipped, saying why, when the package index is unreachable); the JS releases are
+``npm ci``'d once into tests/.cache/sdk-js from the committed lock file
+(``tests/support/sdk_node.py``; only the JS columns are skipped, saying why, without node, npm or
+registry). The ten runs (5 releases, 2 URL forms) go in parallel, each with its own relay
+process, fakes and driver process (``tests/support/sdk_matrix.py``, ``sdk_scenario.py``,
+``js/scenario.mjs``).
 
-``EXPECTED`` says what every cell must show: by default the check passes (``observed == "ok"``);
-the entries below name the version-specific exception a correct SDK raises, and the known gaps
-with the exact behaviour asserted. Any other outcome fails the cell. The results go to
-``tests/.cache/sdk-matrix.json``, from which ``tests/support/compat_table.py`` renders README.md's
-compatibility table; ``test_readme_table_matches_last_run`` keeps the committed table honest.
+``tests/support/sdk_expected.py`` says what every cell must show; any other outcome fails the
+cell. The results go to ``tests/.cache/sdk-matrix.json``, from which
+``tests/support/compat_table.py`` renders README.md's compatibility table;
+``test_readme_table_matches_last_run`` keeps the committed table honest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -28,160 +32,34 @@ import uvloop
 from tests.support import compat_table
 from tests.support.harness import DOMAIN
 from tests.support.records import RequestRecord
+from tests.support.sdk_expected import (
+    JS_OLD,
+    JS_RELEASES,
+    JS_VERSIONS,
+    OLD,
+    PY_VERSIONS,
+    ROWS,
+    VERSIONS,
+    expected,
+)
 from tests.support.sdk_matrix import (
     FORMS,
     GHOST_ID,
     MAIN_ID,
     UNKNOWN_ID,
     WRONG_ID,
+    Driver,
     RunResult,
+    python_driver,
     run_one,
 )
+from tests.support.sdk_node import ensure_js, js_driver
 from tests.support.sdk_venv import CACHE, SdkUnavailable, ensure_sdk
 
-VERSIONS = ("2.25.0", "2.52.0", "2.63.0")  # Harbor's pin, the notes' reference, newest on PyPI
 README = Path(__file__).resolve().parents[1] / "README.md"
 RESULTS = CACHE / "sdk-matrix.json"
 
 pytestmark = pytest.mark.slow
-
-
-@dataclass(frozen=True)
-class Expect:
-    observed: str  # regex, matched at the start of the driver's "observed"
-    status: str = "pass"  # "pass" | "gap" | "n/a"
-    label: str = ""  # short text in the table cell
-    note: str = ""  # footnote under the table (gaps, n/a)
-
-
-OK = Expect("ok$")
-OLD, MID, NEW = VERSIONS
-
-# -- the known gaps, asserted exactly ------------------------------------------------------------
-
-GAP_225_CONTROL_PLANE = (
-    "2.25's `Sandbox.connect()` puts `E2b-Sandbox-Id`/`E2b-Sandbox-Port` on the control-plane "
-    "call `POST /sandboxes/<id>/connect` (E2B PR #1272). relay ignores routing headers on "
-    "`api.<domain>` (so the Host form works), but with a fixed URL the API shares relay's "
-    "address with envd, the headers route the call to the sandbox's envd port, and relay "
-    'refuses it there: 401 (an API call carries no envd token), or 502 "The sandbox was not '
-    'found" for an unknown id. Point `E2B_API_URL` at `https://api.<domain>` to avoid it; '
-    "`Sandbox.create()` (Harbor's path) is unaffected."
-)
-GAP_225_NO_HEADERS = (
-    "A 2.25 `connect()` handle sends no routing headers to envd (notes §1.2); with a fixed "
-    "`E2B_SANDBOX_URL` nothing in the request names the sandbox, so relay passes it to the "
-    "management upstream (here the fake API: 404 → `NotFoundException`; without a management "
-    "upstream relay answers 404 itself). The Host form routes it by name. Handle obtained with "
-    "the control plane reached directly (see [1])."
-)
-GAP_FIXED_SIGNED_URL = (
-    "With a fixed `E2B_SANDBOX_URL` the SDK signs `<E2B_SANDBOX_URL>/files?…`: no sandbox id "
-    "anywhere (notes §1.2), so relay has no target and passes the request, signature stripped, "
-    "to the management upstream (here the fake API: 404); without one relay answers 404. "
-    "Signed URLs need the Host form."
-)
-NA_CLOSE_STDIN = "2.25 has no `commands.close_stdin`."
-
-TIMEOUT_NOT_FOUND = Expect("TimeoutException: The sandbox was not found", label="TimeoutException")
-NOT_RUNNING = Expect(
-    "SandboxNotRunningException: The sandbox was not found", label="SandboxNotRunningException"
-)
-
-# Rows of the table, in order; the driver's check names plus the test's own.
-ROWS = [
-    "Sandbox.create",
-    "Sandbox.connect",
-    "envd calls on a connect() handle",
-    "commands.run output",
-    "commands.run non-zero exit",
-    "commands.run output arrives incrementally",
-    "background command, connect(pid), kill",
-    "commands stdin (send_stdin)",
-    "commands close_stdin",
-    "commands.run timeout (AsyncSandbox)",
-    "PTY create, send_stdin, resize, output",
-    "files write/read text",
-    "files write/read 1 MiB binary",
-    "files list, make_dir, rename, remove, exists",
-    "files.read missing file → NotFound",
-    "files gzip write/read",
-    "watch_dir (sync, polling)",
-    "AsyncSandbox.create",
-    "watch_dir (AsyncSandbox)",
-    "download_url",
-    "download_url with expiration",
-    "upload_url",
-    "upload_url with expiration",
-    "is_running() while routed",
-    "app port behind traffic token (403 without, 200 with)",
-    "WebSocket on app port",
-    "wrong envd token",
-    "unknown sandbox (control plane)",
-    "sandbox without a route: commands.run",
-    "sandbox without a route: is_running()",
-    "is_running() after route removed",
-    "commands.run after route removed",
-    "no credential reached envd, app or API",
-    "no token or signature in relay's output",
-]
-
-
-def expected(row: str, version: str, form: str) -> Expect:
-    if row == "Sandbox.connect" and version == OLD and form == "fixed":
-        return Expect(
-            "AuthenticationException: 401: Unauthorized, please check your credentials. - "
-            "unauthorized access, please provide a valid access token or method signing if "
-            "supported$",
-            status="gap",
-            label="AuthenticationException",
-            note=GAP_225_CONTROL_PLANE,
-        )
-    if row == "unknown sandbox (control plane)":
-        if version == OLD and form == "fixed":
-            return Expect(
-                "SandboxException: 502: The sandbox was not found$",
-                status="gap",
-                label="SandboxException 502",
-                note=GAP_225_CONTROL_PLANE,
-            )
-        return Expect(
-            f"SandboxNotFoundException: Paused sandbox {UNKNOWN_ID} not found$",
-            label="SandboxNotFoundException",
-        )
-    if row == "envd calls on a connect() handle" and version == OLD and form == "fixed":
-        return Expect(
-            "NotFoundException: POST /process.Process/Start is not served by the fake API$",
-            status="gap",
-            label="NotFoundException",
-            note=GAP_225_NO_HEADERS,
-        )
-    if row.startswith(("download_url", "upload_url")) and form == "fixed":
-        method = "GET" if row.startswith("download") else "POST"
-        return Expect(
-            re.escape(
-                f'AssertionError: HTTP 404: {{"code": 404, "message": '
-                f'"{method} /files is not served by the fake API"}}'
-            )
-            + "$",
-            status="gap",
-            label="404",
-            note=GAP_FIXED_SIGNED_URL,
-        )
-    if row == "commands close_stdin" and version == OLD:
-        return Expect("n/a: ", status="n/a", note=NA_CLOSE_STDIN)
-    if row == "is_running() while routed":
-        return Expect("returned True$", label="True")
-    if row in ("is_running() after route removed", "sandbox without a route: is_running()"):
-        return Expect("returned False$", label="False")
-    if row == "wrong envd token":
-        return Expect(
-            "AuthenticationException: unauthorized access, please provide a valid access token",
-            label="AuthenticationException",
-        )
-    if row in ("sandbox without a route: commands.run", "commands.run after route removed"):
-        return NOT_RUNNING if version == NEW else TIMEOUT_NOT_FOUND
-    return OK
 
 
 # -- checks made by the test on what reached the fakes and what relay printed ----------------------
@@ -238,23 +116,35 @@ class Matrix:
     install_seconds: dict[str, float]
     seconds: float
     failures: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    js_unavailable: str = ""  # why the JS columns did not run ("" when they did)
 
 
-def _install_all() -> tuple[dict[str, Path], dict[str, float]]:
-    with ThreadPoolExecutor(len(VERSIONS)) as pool:
-        futures = {v: pool.submit(ensure_sdk, v) for v in VERSIONS}
+def _install_all() -> tuple[dict[str, Driver], dict[str, float], str]:
+    """Every release's driver (the Python venvs and the JS install, in parallel)."""
+    with ThreadPoolExecutor(len(PY_VERSIONS) + 1) as pool:
+        futures = {v: pool.submit(ensure_sdk, v) for v in PY_VERSIONS}
+        js_future = pool.submit(ensure_js)
         try:
             done = {v: f.result() for v, f in futures.items()}
         except SdkUnavailable as exc:
             pytest.skip(str(exc))
-    return {v: d[0] for v, d in done.items()}, {v: round(d[1], 1) for v, d in done.items()}
+        drivers = {v: python_driver(d[0]) for v, d in done.items()}
+        seconds = {v: round(d[1], 1) for v, d in done.items()}
+        try:
+            node, js_seconds = js_future.result()
+        except SdkUnavailable as exc:
+            return drivers, seconds, str(exc)
+    for label, release in zip(JS_VERSIONS, JS_RELEASES, strict=True):
+        drivers[label] = js_driver(node, release)
+    seconds["js"] = round(js_seconds, 1)
+    return drivers, seconds, ""
 
 
-async def _run_all(pythons: dict[str, Path], tmp: Path) -> tuple[list[RunResult], float]:
+async def _run_all(drivers: dict[str, Driver], tmp: Path) -> tuple[list[RunResult], float]:
     loop = asyncio.get_running_loop()
     started = loop.time()
     runs = await asyncio.gather(
-        *(run_one(pythons[v], v, f, tmp / f"{v}-{f}") for v in VERSIONS for f in FORMS)
+        *(run_one(drivers[v], v, f, tmp / f"{v}-{f}") for v in drivers for f in FORMS)
     )
     return list(runs), loop.time() - started
 
@@ -294,7 +184,7 @@ def _evaluate(runs: list[RunResult]) -> Matrix:
 def _write_results(matrix: Matrix) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "versions": list(VERSIONS),
+        "versions": [v for v in VERSIONS if any(key[0] == v for key in matrix.runs)],
         "forms": list(FORMS),
         "rows": ROWS,
         "cells": matrix.cells,
@@ -306,21 +196,35 @@ def _write_results(matrix: Matrix) -> None:
     RESULTS.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
 
 
-@pytest.fixture(scope="session")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> Matrix:
-    pythons, install_seconds = _install_all()
-    runs, seconds = uvloop.run(_run_all(pythons, tmp_path_factory.mktemp("sdk-matrix")))
+@functools.cache
+def run_matrix(tmp: Path) -> Matrix:
+    """The whole matrix, once per session (tests/test_sdk_matrix_js.py shares it)."""
+    drivers, install_seconds, js_unavailable = _install_all()
+    runs, seconds = uvloop.run(_run_all(drivers, tmp))
     result = _evaluate(runs)
     result.install_seconds = install_seconds
     result.seconds = seconds
+    result.js_unavailable = js_unavailable
     _write_results(result)
     return result
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Matrix:
+    return run_matrix(tmp_path_factory.getbasetemp() / "sdk-matrix")
+
+
+def column(matrix: Matrix, version: str, form: str) -> RunResult:
+    """One column's run; the JS columns skip, saying why, when node or npm's registry is absent."""
+    if version in JS_VERSIONS and matrix.js_unavailable:
+        pytest.skip(matrix.js_unavailable)
+    return matrix.runs[(version, form)]
 
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_sdk_matrix_column(matrix: Matrix, version: str, form: str) -> None:
-    run = matrix.runs[(version, form)]
+    run = column(matrix, version, form)
     failures = matrix.failures[(version, form)]
     assert not failures, (
         "\n".join(failures)
@@ -332,7 +236,7 @@ def test_sdk_matrix_column(matrix: Matrix, version: str, form: str) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_host_form_went_through_the_tunnel_proxy_to_relay_tls(matrix: Matrix, version: str) -> None:
     """The Host form really used names under the test domain, over TLS, via the proxy only."""
-    run = matrix.runs[(version, "host")]
+    run = column(matrix, version, "host")
     assert run.refused == []
     assert set(run.tunnels) == {
         f"api.{DOMAIN}:443",
@@ -383,12 +287,13 @@ def test_225_connect_control_plane_call_is_routed_by_its_headers(matrix: Matrix)
     assert connects == [f"/sandboxes/{MAIN_ID}/connect"]
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+# JS 2.8.4 sends more without a target: tests/test_sdk_matrix_js.py.
+@pytest.mark.parametrize("version", [v for v in VERSIONS if v != JS_OLD])
 def test_fixed_url_requests_without_target_reach_the_management_upstream(
     matrix: Matrix, version: str
 ) -> None:
     """Signed URLs (and 2.25's connect() handle) with a fixed E2B_SANDBOX_URL name no sandbox."""
-    run = matrix.runs[(version, "fixed")]
+    run = column(matrix, version, "fixed")
     files = [r for r in run.api_records if r.path == "/files"]
     assert sorted(r.method for r in files) == ["GET", "GET", "POST", "POST"]
     assert all(r.query_names() == {"path"} for r in files), [r.target for r in files]
@@ -405,6 +310,8 @@ def test_matrix_ran_every_row(matrix: Matrix) -> None:
 
 
 def test_readme_table_matches_last_run(matrix: Matrix) -> None:
+    if matrix.js_unavailable:
+        pytest.skip(f"the table has JS columns, this run has none: {matrix.js_unavailable}")
     section = compat_table.render(json.loads(RESULTS.read_text()))
     committed = compat_table.current_section(README.read_text())
     assert committed == section, (
@@ -416,7 +323,7 @@ def test_readme_table_matches_last_run(matrix: Matrix) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_fixed_url_only_the_routed_sandbox_reached_envd(matrix: Matrix, version: str) -> None:
     """Wrong token, no route, unknown id, removed route: relay answered all of them itself."""
-    run = matrix.runs[(version, "fixed")]
+    run = column(matrix, version, "fixed")
     assert run.envd_records
     assert {r.header("E2b-Sandbox-Id") for r in run.envd_records} == {MAIN_ID}
     assert {r.header("E2b-Sandbox-Port") for r in run.envd_records} == {"49983"}

@@ -39,7 +39,9 @@ def render(results: dict[str, Any]) -> str:
         "*Fixed URL*: `E2B_API_URL` = `E2B_SANDBOX_URL` = relay's plain-HTTP address, "
         "routing by the SDK's `E2b-Sandbox-Id`/`E2b-Sandbox-Port` headers. "
         "*Host form*: `https://api.<domain>`, `https://49983-<id>.<domain>`, "
-        "`https://<port>-<id>.<domain>`, TLS terminated by relay.",
+        "`https://<port>-<id>.<domain>`, TLS terminated by relay. "
+        "Rows are named after the Python API; the JS columns run its camelCase twin "
+        "(`sendStdin`, `downloadUrl`, `isRunning`...).",
         "",
         "| feature | " + " | ".join(_column_title(c, forms) for c in columns) + " |",
         "|---|" + "---|" * len(columns),
@@ -66,7 +68,9 @@ def render(results: dict[str, Any]) -> str:
 
 def _column_title(column: str, forms: list[str]) -> str:
     version, form = column.split("/")
-    return f"{version} {FORM_TITLES.get(form, form)}"
+    # Python releases are labelled by their version, JS ones "js-<version>" (npm e2b).
+    sdk = f"JS {version[3:]}" if version.startswith("js-") else f"Python {version}"
+    return f"{sdk} {FORM_TITLES.get(form, form)}"
 
 
 def replace_section(document: str, section: str) -> str:

@@ -2,10 +2,11 @@
 
 Topology of a run (all on loopback, nothing shared between runs, so runs go in parallel)::
 
-    driver (sdk_scenario.py in the SDK's venv)
+    driver (sdk_scenario.py in the SDK's venv, or js/scenario.mjs under node)
       │  fixed form: E2B_API_URL = E2B_SANDBOX_URL = http://127.0.0.1:<relay>
       │  Host form:  https://api.<domain>, https://49983-<id>.<domain>, https://<port>-<id>.<domain>
       │              via HTTPS_PROXY → TunnelProxy → relay's TLS listener; CA in SSL_CERT_FILE
+      │              (Python) or NODE_EXTRA_CA_CERTS (node; the JS SDK's ``proxy`` option)
       ▼
     relay serve (subprocess; stdout/stderr kept) ── no target ──▶ FakeApi (management upstream)
       ├── 49983 ──▶ FakeEnvd on 127.0.0.<n>:49983 (the address in the routes file)
@@ -29,7 +30,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tests.support.certs import issue
 from tests.support.fake_api import FakeApi, SandboxInfo
@@ -52,6 +53,20 @@ RUN_TIMEOUT_S = 180.0  # a run takes ~10 s; the SDK's own timeouts are 60 s
 # settings, proxies and trust stores are set per run.
 _SCRUBBED = {"ssl_cert_file", "ssl_cert_dir", "requests_ca_bundle", "curl_ca_bundle"}
 _SCRUBBED |= {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "nix_ssl_cert_file"}
+_SCRUBBED |= {"node_extra_ca_certs", "node_options", "node_tls_reject_unauthorized"}
+
+
+@dataclass(frozen=True)
+class Driver:
+    """How to start the driver process of one SDK release."""
+
+    argv: tuple[str, ...]  # e.g. (<venv>/bin/python, sdk_scenario.py) or (node, scenario.mjs)
+    language: Literal["python", "js"] = "python"
+    env: tuple[tuple[str, str], ...] = ()  # more environment for the driver
+
+
+def python_driver(python: Path) -> Driver:
+    return Driver((str(python), str(SCENARIO)))
 
 
 @dataclass
@@ -153,7 +168,7 @@ async def _wait_routes(relay: RelayProcess, count: int, timeout: float = 10.0) -
     raise RuntimeError(f"relay did not report {count} routes within {timeout} s")
 
 
-async def run_one(python: Path, version: str, form: str, tmp: Path) -> RunResult:
+async def run_one(driver: Driver, version: str, form: str, tmp: Path) -> RunResult:
     started = time.monotonic()
     await asyncio.to_thread(tmp.mkdir, parents=True, exist_ok=True)
     tokens = Tokens()
@@ -197,15 +212,15 @@ async def run_one(python: Path, version: str, form: str, tmp: Path) -> RunResult
             extra |= {"E2B_API_URL": relay.url, "E2B_SANDBOX_URL": relay.url}
         else:
             proxy = await TunnelProxy(DOMAIN, ("127.0.0.1", relay.port)).start()
+            trust = "SSL_CERT_FILE" if driver.language == "python" else "NODE_EXTRA_CA_CERTS"
             extra |= {
                 "E2B_API_URL": f"https://api.{DOMAIN}",
                 "HTTPS_PROXY": proxy.url,
-                "SSL_CERT_FILE": str(certs.ca_file),
+                trust: str(certs.ca_file),
             }
         process = await asyncio.create_subprocess_exec(
-            str(python),
-            str(SCENARIO),
-            env=_driver_env(extra),
+            *driver.argv,
+            env=_driver_env(extra | dict(driver.env)),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -9,15 +9,15 @@ import pytest
 from tests.support import compat_table
 
 RESULTS: dict[str, Any] = {
-    "versions": ["1.0", "2.0"],
+    "versions": ["1.0", "js-2.0"],
     "forms": ["fixed", "host"],
     "rows": ["a", "b"],
     "cells": {
         "a": {
             "1.0/fixed": {"status": "gap", "label": "404", "note": "why"},
             "1.0/host": {"status": "pass", "label": "", "note": ""},
-            "2.0/fixed": {"status": "gap", "label": "404", "note": "why"},
-            "2.0/host": {"status": "FAIL", "label": "", "note": ""},
+            "js-2.0/fixed": {"status": "gap", "label": "404", "note": "why"},
+            "js-2.0/host": {"status": "FAIL", "label": "", "note": ""},
         },
         "b": {
             "1.0/fixed": {"status": "n/a", "label": "", "note": "absent"},
@@ -31,7 +31,9 @@ def test_render() -> None:
     table = compat_table.render(RESULTS)
     assert table.startswith(compat_table.START)
     assert table.endswith(compat_table.END)
-    assert "| feature | 1.0 fixed URL | 1.0 Host form | 2.0 fixed URL | 2.0 Host form |" in table
+    # Python releases by version, JS ones labelled js-<version>.
+    header = "| Python 1.0 fixed URL | Python 1.0 Host form | JS 2.0 fixed URL | JS 2.0 Host form |"
+    assert f"| feature {header}" in table
     assert "| a | ⚠️ gap 404 [1] | ✅ | ⚠️ gap 404 [1] | ❌ FAIL |" in table
     assert "| b | n/a [2] | ✅ True | ❌ FAIL not run | ❌ FAIL not run |" in table
     assert "\n1. why\n2. absent\n" in table
