@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.fake_envd import FakeEnvd
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
-from tests.support.rawhttp import request
+from tests.support.rawhttp import Connection, request, request_bytes
 from tests.support.sdk_matrix import _bind_envd_and_app
 
 TOKEN = "envd-cors-token"
@@ -80,3 +80,93 @@ async def test_the_first_request_method_is_the_one_read(
     ]
     response = await request(relay.port, "OPTIONS", "/files", f"49983-corsbox.{DOMAIN}", headers)
     assert response.status == 401
+
+
+# Chromium 156's preflight for the JS SDK's ListDir call (fetch with X-Access-Token, a JSON
+# Connect content type and the routing headers), byte for byte but for the Host's port, as
+# captured from headless Chromium by a raw socket listening where relay would.
+CHROMIUM_PREFLIGHT = (
+    b"OPTIONS /filesystem.Filesystem/ListDir HTTP/1.1\r\n"
+    b"Host: 49983-%s.e2b.test:8443\r\n"
+    b"Connection: keep-alive\r\n"
+    b"Accept: */*\r\n"
+    b"Access-Control-Request-Method: POST\r\n"
+    b"Access-Control-Request-Headers: "
+    b"connect-protocol-version,content-type,e2b-sandbox-id,e2b-sandbox-port,x-access-token\r\n"
+    b"Origin: http://3000-pub.e2b.test:8080\r\n"
+    b"User-Agent: Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) "
+    b"HeadlessChrome/156.0.0.0 Safari/537.36\r\n"
+    b"Sec-Fetch-Mode: cors\r\n"
+    b"Referer: http://3000-pub.e2b.test:8080/\r\n"
+    b"Accept-Encoding: gzip, deflate\r\n"
+    b"Accept-Language: en-US,en;q=0.9\r\n"
+    b"\r\n"
+)
+
+
+async def test_a_refused_preflight_to_envd_lets_the_browser_read_the_refusal(
+    tmp_path: Path,
+) -> None:
+    """Seen with headless Chromium: the JS SDK's call to a sandbox that is gone (paused, killed)
+    failed with "TypeError: Failed to fetch", as the preflight got relay's 502 and a browser
+    takes only a 2xx preflight ("It does not have HTTP ok status"): the SDK could not read
+    "The sandbox was not found" that SPEC §5 gives it with Access-Control-Allow-Origin. relay
+    now answers such a preflight as envd's CORS layer would (rs/cors, envd's main.go), and the
+    actual request gets the refusal, readable."""
+    sandbox = "gonebox"
+    async with running_relay(tmp_path, [route("corsbox", envd_token=TOKEN)]) as relay:
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(CHROMIUM_PREFLIGHT % sandbox.encode())
+            preflight = await conn.read_response()
+            assert preflight.status == 204, preflight.body
+            assert preflight.header("Access-Control-Allow-Origin") == "*"
+            assert preflight.header("Access-Control-Allow-Methods") == "POST"
+            allowed = preflight.header("Access-Control-Allow-Headers") or ""
+            assert "x-access-token" in allowed
+            assert "e2b-sandbox-id" in allowed
+            assert preflight.header("Content-Length") is None  # a 204 has none (RFC 9110 §8.6)
+            assert preflight.body == b""
+            # The actual request, on the same connection, gets the refusal with CORS.
+            await conn.send(
+                request_bytes(
+                    "POST",
+                    "/filesystem.Filesystem/ListDir",
+                    f"49983-{sandbox}.{DOMAIN}:8443",
+                    [
+                        ("X-Access-Token", TOKEN),
+                        ("Content-Type", "application/json"),
+                        ("Connect-Protocol-Version", "1"),
+                        ("Origin", "http://3000-pub.e2b.test:8080"),
+                    ],
+                    b'{"path":"/"}',
+                )
+            )
+            actual = await conn.read_response()
+            assert actual.status == 502, actual.body
+            assert b"The sandbox was not found" in actual.body
+            assert actual.header("Access-Control-Allow-Origin") == "*"
+        finally:
+            await conn.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (CHROMIUM_PREFLIGHT.replace(b"Host: 49983-", b"Host: 3000-"), "app port"),
+        (CHROMIUM_PREFLIGHT.replace(b"Origin: http://3000-pub.e2b.test:8080\r\n", b""), "origin"),
+    ],
+)
+async def test_other_refused_preflights_keep_the_refusal(
+    tmp_path: Path, raw: bytes, why: str
+) -> None:
+    """Only envd's own CORS answer is given: an app's preflight policy is the app's (relay
+    cannot tell what it would allow), and an OPTIONS without an Origin is no browser's."""
+    async with running_relay(tmp_path, []) as relay:
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(raw % b"gonebox")
+            response = await conn.read_response()
+            assert response.status == 502, why
+        finally:
+            await conn.close()

@@ -74,8 +74,38 @@ def _prefers_html(accept: bytes) -> bool:
     return best_html > 0 and best_html >= best_other
 
 
+# envd's CORS options (rs/cors in its main.go; e2b-protocol notes §5.1): the methods a
+# preflight may ask for, and how long a browser may keep its answer.
+ENVD_CORS_METHODS = frozenset({b"HEAD", b"GET", b"POST", b"PUT", b"PATCH", b"DELETE"})
+ENVD_CORS_MAX_AGE = b"7200"
+_PREFLIGHT_VARY = b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
+
+
+def envd_preflight(fields: dict[bytes, list[bytes]]) -> Answer:
+    """A CORS preflight to envd's port that relay refused, answered as envd's rs/cors answers
+    every preflight, before its token check and whatever the path: a browser accepts only a
+    2xx preflight ("It does not have HTTP ok status"), so relay's 502 "The sandbox was not
+    found" to it reached the JS SDK in a browser as "TypeError: Failed to fetch" (seen with
+    headless Chromium). Answered so, the browser sends the actual request, which relay refuses
+    with Access-Control-Allow-Origin (SPEC §5), and the page reads why. The answer is the one
+    envd gives anyway, so relay allows nothing envd would not; E2B's newer proxy answers
+    preflights on routing errors too (e2b-protocol notes §8.5)."""
+    out: list[tuple[bytes, bytes]] = [(b"Vary", _PREFLIGHT_VARY)]
+    method = fields.get(b"access-control-request-method", [b""])[0].strip(b" \t").upper()
+    if method in ENVD_CORS_METHODS:  # rs/cors: a method it does not allow gets no CORS fields
+        out.append((b"Access-Control-Allow-Origin", b"*"))
+        out.append((b"Access-Control-Allow-Methods", method))
+        requested = b",".join(fields.get(b"access-control-request-headers", []))
+        if requested:  # AllowedHeaders "*": whatever was asked for
+            out.append((b"Access-Control-Allow-Headers", requested))
+        out.append((b"Access-Control-Max-Age", ENVD_CORS_MAX_AGE))
+    return Answer(204, tuple(out), b"")
+
+
 def render(reject: Reject, request_headers: Headers = ()) -> Answer:
     fields = index(request_headers)
+    if reject.envd_preflight:
+        return envd_preflight(fields)
     out: list[tuple[bytes, bytes]] = []
     if wants_html(fields):
         title = html.escape(f"{reject.status} {_phrase(reject.status)}")
@@ -134,7 +164,9 @@ def answer_bytes(
     review: relay kept it silently, and the client could wait for the close).
     ``date``: the Date field's value, which RFC 9110 §6.6.1 requires of an origin server with
     a clock in every 4xx; the adapter reads the clock (``relay.respond.http_date``)."""
-    fields = (*answer.headers, (b"Content-Length", str(len(answer.body)).encode()))
+    fields = answer.headers
+    if answer.status != 204:  # a 204 has no Content-Length (RFC 9110 §8.6)
+        fields = (*fields, (b"Content-Length", str(len(answer.body)).encode()))
     if date:
         fields = ((b"Date", date), *fields)
     if close:

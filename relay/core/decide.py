@@ -189,16 +189,31 @@ def decide(
     if found.port in settings.denied_ports:
         return Reject(reason=Reason.CONTROL_PORT, named=found)
     is_envd = found.port == settings.envd_port
+    preflight = is_envd and _preflight(head, fields, framing[0])
+    # Refusals from here on do not depend on a credential, which a preflight never carries:
+    # the actual request gets them too, readable, once its preflight is answered as envd would.
+    cors = preflight and b"origin" in fields
     if is_envd and split.clean_path in policy.CONTROL_PATHS:
-        return Reject(reason=Reason.CONTROL_PATH, path=split.clean_path, named=found)
+        return Reject(
+            reason=Reason.CONTROL_PATH, path=split.clean_path, named=found, envd_preflight=cors
+        )
     # -- route lookup
     if not feed.ready:
-        return Reject(reason=Reason.NOT_READY, retry_after=NOT_READY_RETRY_AFTER_S, named=found)
+        return Reject(
+            reason=Reason.NOT_READY,
+            retry_after=NOT_READY_RETRY_AFTER_S,
+            named=found,
+            envd_preflight=cors,
+        )
     if feed.stale:
-        return Reject(reason=Reason.STALE, retry_after=STALE_RETRY_AFTER_S, named=found)
+        return Reject(
+            reason=Reason.STALE, retry_after=STALE_RETRY_AFTER_S, named=found, envd_preflight=cors
+        )
     route = table.routes.get(found.sandbox_id)
     if route is None:
-        return Reject(reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id, named=found)
+        return Reject(
+            reason=Reason.NOT_FOUND, sandbox_id=found.sandbox_id, named=found, envd_preflight=cors
+        )
     # -- credentials
     path = _outbound_path(split, settings.strip)
     expires: int | None = None
@@ -212,7 +227,7 @@ def decide(
                 # An empty header is no header, as to envd (Go's Header.Get gives "" for
                 # both): /health and a signed URL pass with one (found by review).
                 access_token=tokens[0] if tokens and tokens[0].strip(b" \t") else None,
-                preflight=_preflight(head, fields, framing[0]),
+                preflight=preflight,
             ),
             route,
             now,
@@ -232,6 +247,7 @@ def decide(
             sandbox_id=route.sandbox_id,
             limit=route.max_connections,
             named=found,
+            envd_preflight=cors,
         )
     if host_values is None:
         rules = dataclasses.replace(rules, host=_sandbox_host(found, route, settings))

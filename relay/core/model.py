@@ -201,6 +201,10 @@ class Reject:
     # control-path 404 does not say which sandbox it was for). Without it a 401, 403 or 429
     # logged "port": null, and a control-path refusal no sandbox_id (found by review).
     named: Target | None = None
+    # A browser's CORS preflight (with an Origin) to the envd port: answered as envd's CORS
+    # layer would (``relay.core.answers``), so that the browser sends the actual request and
+    # can read relay's refusal of it (SPEC §5); a 2xx is the only preflight answer it accepts.
+    envd_preflight: bool = False
 
     @property
     def status(self) -> int:
