@@ -5,12 +5,14 @@ call is preceded by a preflight, which no browser sends credentials on."""
 
 from __future__ import annotations
 
+import random
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.fake_envd import FakeEnvd
+from tests.support.fake_envd import ENVD_PORT, FakeEnvd
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.rawhttp import Connection, request, request_bytes
 from tests.support.sdk_matrix import _bind_envd_and_app
@@ -170,3 +172,47 @@ async def test_other_refused_preflights_keep_the_refusal(
             assert response.status == 502, why
         finally:
             await conn.close()
+
+
+async def test_a_preflight_to_an_envd_that_does_not_listen_gets_envds_answer(
+    tmp_path: Path,
+) -> None:
+    """The same preflight when the route exists but nothing listens on envd's port (envd not
+    up, or gone): relay's 502 "port is not open" to it made the page's call fail as "Failed
+    to fetch" too; the actual request gets the 502, readable."""
+    closed = closed_envd_address()
+    async with running_relay(tmp_path, [route("downbox", closed, envd_token=TOKEN)]) as relay:
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(CHROMIUM_PREFLIGHT % b"downbox")
+            preflight = await conn.read_response(timeout=15)
+            assert preflight.status == 204, preflight.body
+            assert preflight.header("Access-Control-Allow-Origin") == "*"
+            await conn.send(
+                request_bytes(
+                    "POST",
+                    "/filesystem.Filesystem/ListDir",
+                    f"49983-downbox.{DOMAIN}",
+                    [("X-Access-Token", TOKEN), ("Origin", "http://3000-pub.e2b.test:8080")],
+                    b"{}",
+                )
+            )
+            actual = await conn.read_response(timeout=15)
+            assert actual.status == 502, actual.body
+            assert b"port is not open" in actual.body
+            assert actual.header("Access-Control-Allow-Origin") == "*"
+        finally:
+            await conn.close()
+
+
+def closed_envd_address() -> str:
+    """A 127.0.0.<n> where nothing listens on envd's port (bound for a moment to check)."""
+    for n in random.sample(range(2, 255), 40):
+        address = f"127.0.0.{n}"
+        with socket.socket() as probe:
+            try:
+                probe.bind((address, ENVD_PORT))
+            except OSError:
+                continue
+            return address
+    raise RuntimeError("no 127.0.0.<n> with envd's port free")

@@ -252,7 +252,9 @@ def decide(
     if host_values is None:
         rules = dataclasses.replace(rules, host=_sandbox_host(found, route, settings))
     kind = Kind.ENVD if is_envd else Kind.APP
-    return _forward(head, kind, found, route, path, fields, names, rules, split, expires)
+    forward = _forward(head, kind, found, route, path, fields, names, rules, split, expires)
+    forward.envd_preflight = cors
+    return forward
 
 
 def _preflight(head: RequestHead, fields: dict[bytes, list[bytes]], framing: Framing) -> bool:

@@ -38,6 +38,7 @@ def unreachable(decision: Forward) -> Reject:
         reason=Reason.PORT_CLOSED,
         sandbox_id=decision.target.sandbox_id,
         port=decision.target.port,
+        envd_preflight=decision.envd_preflight,
     )
 
 

@@ -251,6 +251,9 @@ class Forward:
     # again on a fresh connection when a reused one closes before answering
     # (relay.forward.UNSAFE_REUSE_IDLE_S).
     replayable: bool = False
+    # A browser's CORS preflight to envd: if envd cannot be reached, answered as envd would
+    # answer it (``Reject.envd_preflight``), not with the 502.
+    envd_preflight: bool = False
 
 
 Decision = Forward | Reject
