@@ -156,6 +156,7 @@ async def test_a_refused_preflight_to_envd_lets_the_browser_read_the_refusal(
     ("raw", "why"),
     [
         (CHROMIUM_PREFLIGHT.replace(b"Host: 49983-", b"Host: 3000-"), "app port"),
+        (CHROMIUM_PREFLIGHT.replace(b"/filesystem.Filesystem/ListDir", b"/init"), "control"),
         (CHROMIUM_PREFLIGHT.replace(b"Origin: http://3000-pub.e2b.test:8080\r\n", b""), "origin"),
     ],
 )
@@ -163,13 +164,14 @@ async def test_other_refused_preflights_keep_the_refusal(
     tmp_path: Path, raw: bytes, why: str
 ) -> None:
     """Only envd's own CORS answer is given: an app's preflight policy is the app's (relay
-    cannot tell what it would allow), and an OPTIONS without an Origin is no browser's."""
+    cannot tell what it would allow), an OPTIONS without an Origin is no browser's, and a
+    control path is 404 for every method (SPEC §2)."""
     async with running_relay(tmp_path, []) as relay:
         conn = await Connection.open(relay.port)
         try:
             await conn.send(raw % b"gonebox")
             response = await conn.read_response()
-            assert response.status == 502, why
+            assert response.status == (404 if why == "control" else 502), why
         finally:
             await conn.close()
 

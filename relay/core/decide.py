@@ -190,13 +190,11 @@ def decide(
         return Reject(reason=Reason.CONTROL_PORT, named=found)
     is_envd = found.port == settings.envd_port
     preflight = is_envd and _preflight(head, fields, framing[0])
+    if is_envd and split.clean_path in policy.CONTROL_PATHS:  # any method (SPEC §2)
+        return Reject(reason=Reason.CONTROL_PATH, path=split.clean_path, named=found)
     # Refusals from here on do not depend on a credential, which a preflight never carries:
     # the actual request gets them too, readable, once its preflight is answered as envd would.
     cors = preflight and b"origin" in fields
-    if is_envd and split.clean_path in policy.CONTROL_PATHS:
-        return Reject(
-            reason=Reason.CONTROL_PATH, path=split.clean_path, named=found, envd_preflight=cors
-        )
     # -- route lookup
     if not feed.ready:
         return Reject(
