@@ -85,8 +85,8 @@ async def test_the_first_request_method_is_the_one_read(
 
 
 # Chromium 156's preflight for the JS SDK's ListDir call (fetch with X-Access-Token, a JSON
-# Connect content type and the routing headers), byte for byte but for the Host's port, as
-# captured from headless Chromium by a raw socket listening where relay would.
+# Connect content type and the routing headers), byte for byte but for the Host's sandbox id
+# and port, as captured from headless Chromium by a raw socket listening where relay would.
 CHROMIUM_PREFLIGHT = (
     b"OPTIONS /filesystem.Filesystem/ListDir HTTP/1.1\r\n"
     b"Host: 49983-%s.e2b.test:8443\r\n"
