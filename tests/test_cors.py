@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.decide import FeedState
 from tests.support.fake_envd import ENVD_PORT, FakeEnvd
 from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
 from tests.support.rawhttp import Connection, request, request_bytes
@@ -218,3 +219,41 @@ def closed_envd_address() -> str:
                 continue
             return address
     raise RuntimeError("no 127.0.0.<n> with envd's port free")
+
+
+# Chromium 156's cross-origin fetch('/headers') of another sandbox's app port (a simple
+# request: no preflight), as captured, but for the Host's port.
+CHROMIUM_SIMPLE_GET = (
+    b"GET /headers HTTP/1.1\r\n"
+    b"Host: 3000-corsbox.e2b.test:8443\r\n"
+    b"Connection: keep-alive\r\n"
+    b"User-Agent: Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) "
+    b"HeadlessChrome/156.0.0.0 Safari/537.36\r\n"
+    b"Accept: */*\r\n"
+    b"Origin: http://3000-pub.e2b.test:8080\r\n"
+    b"Referer: http://3000-pub.e2b.test:8080/\r\n"
+    b"Accept-Encoding: gzip, deflate\r\n"
+    b"Accept-Language: en-US,en;q=0.9\r\n"
+    b"\r\n"
+)
+
+
+async def test_a_cross_origin_page_can_read_the_retry_after_of_a_503(tmp_path: Path) -> None:
+    """Seen with headless Chromium: a page's cross-origin fetch() to a relay whose route table
+    was not ready read the 503 and its body, but ``headers.get("retry-after")`` was null: a
+    browser shows a cross-origin script only the CORS-safelisted response fields unless the
+    answer lists the others in Access-Control-Expose-Headers (Fetch standard, "CORS-safelisted
+    response-header name"). SPEC §5 gives the 503 a Retry-After for the client to honour."""
+    async with running_relay(tmp_path, [route("corsbox", envd_token=TOKEN)]) as relay:
+        relay.relay.feed_state = FeedState(ready=False)
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(CHROMIUM_SIMPLE_GET)
+            response = await conn.read_response()
+        finally:
+            await conn.close()
+    assert response.status == 503, response.body
+    assert response.header("Retry-After") is not None
+    assert response.header("Access-Control-Allow-Origin") == "*"
+    exposed = (response.header("Access-Control-Expose-Headers") or "").lower()
+    assert "retry-after" in [name.strip() for name in exposed.split(",")], response.headers

@@ -125,6 +125,10 @@ def render(reject: Reject, request_headers: Headers = ()) -> Answer:
         out.append((b"Allow", ALLOWED_METHODS))
     if b"origin" in fields:
         out.append((b"Access-Control-Allow-Origin", b"*"))
+        if reject.retry_after is not None:
+            # Not a CORS-safelisted response field: a cross-origin page reads it only when
+            # exposed (Fetch standard; seen with Chromium: headers.get("retry-after") was null).
+            out.append((b"Access-Control-Expose-Headers", b"Retry-After"))
     return Answer(reject.status, tuple(out), body)
 
 
