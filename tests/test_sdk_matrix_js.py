@@ -119,3 +119,20 @@ def test_js_284_fixed_url_rest_calls_reach_the_management_upstream(matrix: Matri
 
 def _uploads(records: list[RequestRecord]) -> dict[str, RequestRecord]:
     return {r.query()[0][1]: r for r in records if r.method == "POST" and r.path == "/files"}
+
+
+# The cells whose watch_dir passes (2.8.4's fixed URL sends the scenario's file writes to the
+# management upstream: its watch fails before it is stopped, and ends with the route).
+@pytest.mark.parametrize(("version", "form"), [(NEW, "fixed"), (NEW, "host"), (OLD, "host")])
+def test_js_a_stopped_watch_ends_its_stream_at_once(
+    matrix: Matrix, version: str, form: str
+) -> None:
+    """``handle.stop()`` aborts the WatchDir fetch: undici ends the connection with a FIN (over
+    plain HTTP) or a TLS close. relay must end the exchange then ("client_closed"), not hold
+    envd's watch until a later event or the route's removal ("revoked"), as it did with the fixed
+    URL before a FIN during a stream counted as the client leaving (README, "Half-closed
+    clients wait")."""
+    run = column(matrix, version, form)
+    watches = [e for e in run.access_log() if e["path"] == "/filesystem.Filesystem/WatchDir"]
+    assert watches
+    assert {e["reason"] for e in watches} == {"client_closed"}, watches
