@@ -257,3 +257,38 @@ async def test_a_cross_origin_page_can_read_the_retry_after_of_a_503(tmp_path: P
     assert response.header("Access-Control-Allow-Origin") == "*"
     exposed = (response.header("Access-Control-Expose-Headers") or "").lower()
     assert "retry-after" in [name.strip() for name in exposed.split(",")], response.headers
+
+
+CORS_FIELDS = (
+    "Access-Control-Allow-Origin",
+    "Access-Control-Allow-Methods",
+    "Access-Control-Allow-Headers",
+    "Access-Control-Max-Age",
+)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param(PREFLIGHT, id="post"),
+        pytest.param([PREFLIGHT[0], ("Access-Control-Request-Method", "OPTIONS")], id="options"),
+        pytest.param([PREFLIGHT[0], ("Access-Control-Request-Method", "patch")], id="lowercase"),
+        pytest.param([("Origin", ""), *PREFLIGHT[1:]], id="empty-origin"),
+    ],
+)
+async def test_a_refused_preflight_allows_what_envd_allows(
+    behind_relay: tuple[RelayUnderTest, FakeEnvd], headers: list[tuple[str, str]]
+) -> None:
+    """relay's answer to a refused preflight claims to be envd's (rs/cors 1.11.1,
+    handlePreflight and isMethodAllowed): the requested method compared as sent, OPTIONS always
+    allowed, and no allow field for an empty Origin. The same preflight to a sandbox whose envd
+    answers it, and to one relay refuses, must allow the same (found by review: relay
+    upper-cased the method, so 'patch' was allowed where envd allows nothing, and did not allow
+    OPTIONS, which envd does)."""
+    relay, _ = behind_relay
+    by_envd = await request(relay.port, "OPTIONS", "/files", f"49983-corsbox.{DOMAIN}", headers)
+    by_relay = await request(relay.port, "OPTIONS", "/files", f"49983-gonebox.{DOMAIN}", headers)
+    assert by_envd.status == by_relay.status == 204, (by_envd.body, by_relay.body)
+    assert [by_relay.header(name) for name in CORS_FIELDS] == [
+        by_envd.header(name) for name in CORS_FIELDS
+    ]

@@ -89,15 +89,24 @@ def envd_preflight(fields: dict[bytes, list[bytes]]) -> Answer:
     headless Chromium). Answered so, the browser sends the actual request, which relay refuses
     with Access-Control-Allow-Origin (SPEC §5), and the page reads why. The answer is the one
     envd gives anyway, so relay allows nothing envd would not; E2B's newer proxy answers
-    preflights on routing errors too (e2b-protocol notes §8.5)."""
+    preflights on routing errors too (e2b-protocol notes §8.5).
+
+    As rs/cors 1.11.1 decides (cors.go handlePreflight, isMethodAllowed): no allow field for
+    an empty Origin; the requested method compared as sent (the Fetch standard upper-cases only
+    the six standard methods, and matches Access-Control-Allow-Methods byte for byte), OPTIONS
+    always allowed; the method's and the headers' fields echoed as they came. Found by review:
+    relay upper-cased the method, allowing 'patch' where envd allows nothing, and refused
+    OPTIONS, which envd allows."""
     out: list[tuple[bytes, bytes]] = [(b"Vary", _PREFLIGHT_VARY)]
-    method = fields.get(b"access-control-request-method", [b""])[0].strip(b" \t").upper()
-    if method in ENVD_CORS_METHODS:  # rs/cors: a method it does not allow gets no CORS fields
+    origin = fields.get(b"origin", [b""])[0].strip(b" \t")
+    methods = [value.strip(b" \t") for value in fields.get(b"access-control-request-method", [])]
+    method = methods[0] if methods else b""
+    if origin and (method == b"OPTIONS" or method in ENVD_CORS_METHODS):
         out.append((b"Access-Control-Allow-Origin", b"*"))
-        out.append((b"Access-Control-Allow-Methods", method))
-        requested = b",".join(fields.get(b"access-control-request-headers", []))
-        if requested:  # AllowedHeaders "*": whatever was asked for
-            out.append((b"Access-Control-Allow-Headers", requested))
+        out.extend((b"Access-Control-Allow-Methods", value) for value in methods)
+        requested = fields.get(b"access-control-request-headers", [])
+        if requested and requested[0]:  # AllowedHeaders "*": whatever was asked for
+            out.extend((b"Access-Control-Allow-Headers", value) for value in requested)
         out.append((b"Access-Control-Max-Age", ENVD_CORS_MAX_AGE))
     return Answer(204, tuple(out), b"")
 
