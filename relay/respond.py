@@ -83,6 +83,7 @@ ANSWERED = State.ANSWERED
 UPGRADED = State.UPGRADED
 DONE = State.DONE
 CHUNKED = Framing.CHUNKED
+LENGTH = Framing.LENGTH
 
 
 class Respond:
@@ -136,8 +137,12 @@ class Respond:
     _dial_task: asyncio.Task[None] | None
 
     def streaming(self) -> bool:
-        """A response of unknown length (chunked to the client) is under way: a stream."""
-        return self._client_framing is CHUNKED and bool(self.status) and not self.response_complete
+        """A response of unknown length is under way: a stream. Chunked to the client, or to
+        an HTTP/1.0 client unframed, to the close (RFC 9112 §6.3). A response without a body
+        (HEAD, 204, 304, relay's own answers) is complete before anything else runs."""
+        return (
+            self._client_framing is not LENGTH and bool(self.status) and not self.response_complete
+        )
 
     def flush(self) -> None:
         """Write what the response produced so far (one upstream read) in one writev."""
@@ -301,8 +306,15 @@ class Respond:
             return self._unrelayable(plan.unrelayable)
         self._client_framing = plan.framing
         self.keep_alive = plan.keep_alive
-        if plan.framing is CHUNKED and self.client.client_eof:
-            self.client.close()  # a stream for a client that sent its FIN (streaming())
+        if (
+            self.client.client_eof
+            and plan.framing is not LENGTH
+            and not plan.ends_at_head
+            and status not in (204, 304)
+        ):
+            # A stream for a client that sent its FIN (streaming()): chunked, or unframed to
+            # an HTTP/1.0 client (found by review: that one was still waited out).
+            self.client.close()
         if plan.connect_stream:
             self._tracker = EnvelopeTracker()
         self._out.append(plan.head)
