@@ -313,8 +313,10 @@ class Respond:
             and status not in (204, 304)
         ):
             # A stream for a client that sent its FIN (streaming()): chunked, or unframed to
-            # an HTTP/1.0 client (found by review: that one was still waited out).
-            self.client.close()
+            # an HTTP/1.0 client (found by review: that one was still waited out). Checked
+            # once this read is done: a whole answer in the head's read is no stream, and is
+            # written (found by review: closed here, it was dropped, and counted as served).
+            self.client.relay.outbox.later(self._end_stream_after_fin)
         if plan.connect_stream:
             self._tracker = EnvelopeTracker()
         self._out.append(plan.head)
@@ -328,6 +330,12 @@ class Respond:
             elif self.keep_alive:
                 self._drop_rest()
         return plan.length
+
+    def _end_stream_after_fin(self) -> None:
+        """The half-closed client's response is still a stream after its head's read: the
+        client is taken as gone (closing.Closing.eof_received), and the exchange ends."""
+        if self.state is STREAMING and self.streaming():
+            self.client.close()
 
     def _drop_rest(self) -> None:
         """The response ended before the request body: the rest of the body has nowhere to

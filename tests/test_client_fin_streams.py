@@ -133,3 +133,45 @@ async def test_a_half_closed_client_still_gets_an_answer_with_a_length(
         writer.close()
     assert answer.startswith(upstream_answer.split(b"\r\n")[0] + b"\r\n"), answer
     assert answer.endswith(expected_tail), answer
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+async def test_a_whole_chunked_answer_still_reaches_a_half_closed_client(
+    tmp_path: Path, version: str
+) -> None:
+    """A chunked answer whose head, body and end come in one read is no stream: relay holds
+    all of it, and the half-closed client gets it, as before 46e2916 (found by review: relay
+    closed the client at the head and dropped the rest, while its access log said 200 with
+    the body's bytes). A short answer of a Go handler (past 2 KiB), Node's or a streaming
+    framework's comes chunked."""
+
+    async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        await asyncio.sleep(0.3)  # the client's FIN reaches relay first
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        )
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+            await reader.read()
+        writer.close()
+
+    async with (
+        scripted_upstream(whole) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        try:
+            writer.write(_request(port, version))
+            await writer.drain()
+            writer.write_eof()
+            async with asyncio.timeout(5):
+                answer = await reader.read()
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    if version == "1.1":
+        assert answer.endswith(b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), answer
+    else:
+        assert answer.endswith(b"\r\n\r\nhello"), answer
