@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="TOML configuration file")
     serve.add_argument(
         "--log-level",
-        default=os.environ.get("RELAY_LOG_LEVEL", "INFO"),
+        default=os.environ.get("RELAY_LOG_LEVEL") or "INFO",  # empty: not set
         help="DEBUG, INFO (the default, or $RELAY_LOG_LEVEL), WARNING (no access log), ERROR",
     )
     check = sub.add_parser("check-config", help="validate a configuration and print it")

@@ -290,3 +290,12 @@ def test_an_unknown_log_level_is_a_usage_error(tmp_path: Path, how: str) -> None
 def test_log_levels_in_any_case_are_taken(level: str) -> None:
     args = _parser().parse_args(["serve", "--config", "x.toml", "--log-level", level])
     assert log_level(args.log_level) == level.upper()
+
+
+def test_an_empty_relay_log_level_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Environment=RELAY_LOG_LEVEL=`` in a unit (or ``RELAY_LOG_LEVEL= relay serve``) means
+    "not set", as an empty variable does for most programs: INFO, not a usage error (exit 2,
+    which the unit does not retry; found by review of the check of the level)."""
+    monkeypatch.setenv("RELAY_LOG_LEVEL", "")
+    args = _parser().parse_args(["serve", "--config", "x.toml"])
+    assert log_level(args.log_level) == "INFO"
