@@ -76,6 +76,7 @@ class DialObserver(Protocol):
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "closed",
+        "counted",
         "idle_since",
         "key",
         "owner",
@@ -94,6 +95,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.owner: Owner | None = None
         self.idle_since = 0.0
         self.closed = False
+        self.counted = False  # in pool.opened: from connection_made to uncount()
         self.write_paused = False  # the transport's buffer is over its high-water mark
         self.read_paused = False  # pause_reading() was called last (release undoes it)
         self.uses = 0
@@ -111,6 +113,7 @@ class UpstreamConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             keep_alive_probes(sock)
+        self.counted = True
         self.pool.opened += 1
 
     def data_received(self, data: bytes) -> None:
@@ -130,7 +133,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
-        self.pool.opened -= 1
+        self.uncount()
         owner, self.owner = self.owner, None
         if owner is not None:
             owner.upstream_lost(exc)
@@ -145,6 +148,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.write_paused = False
         if self.owner is not None:
             self.owner.upstream_resume_writing()
+
+    def uncount(self) -> None:
+        """Leave ``pool.opened``, once: from ``connection_lost``, or from a dial cancelled
+        after ``connection_made`` (``Pool.connect``), where uvloop never calls it."""
+        if self.counted:
+            self.counted = False
+            self.pool.opened -= 1
 
     # -- used by exchanges
     def write(self, data: bytes) -> None:
@@ -208,6 +218,11 @@ class UpstreamConnection(asyncio.Protocol):
         reader, self.reader = self.reader, None
         if reader is not None:
             reader.parser = None
+
+
+def _made(made: list[UpstreamConnection], conn: UpstreamConnection) -> UpstreamConnection:
+    made.append(conn)
+    return conn
 
 
 class DialError(Exception):
@@ -354,16 +369,27 @@ class Pool:
         local = (self.source_address, 0) if self.source_address else None
         attempts = len(RETRY_DELAYS_S) + 1
         observer = self.observer
+        made: list[UpstreamConnection] = []  # the protocol create_connection makes, if any
         for attempt in range(attempts):
             started = time.monotonic()
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
-                    _, conn = await loop.create_connection(
-                        lambda: UpstreamConnection(self, key),
-                        key.address,
-                        key.port,
-                        local_addr=local,
-                    )
+                    try:
+                        _, conn = await loop.create_connection(
+                            lambda: _made(made, UpstreamConnection(self, key)),
+                            key.address,
+                            key.port,
+                            local_addr=local,
+                        )
+                    except BaseException:
+                        # Cancelled (the client left, or the timeout) once connection_made
+                        # had run but before this task resumed: uvloop's create_connection
+                        # closes the socket itself (``tr._close()``) and connection_lost never
+                        # comes, so the connection would stay counted open for ever.
+                        for orphan in made:
+                            orphan.closed = True
+                            orphan.uncount()
+                        raise
                 conn.uses = 1
                 if observer is not None:
                     observer.dial_done(time.monotonic() - started)
