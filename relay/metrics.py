@@ -10,7 +10,8 @@ With ``process.workers > 1`` every worker writes its snapshot to
 ``<run dir>/metrics/<pid>.json`` once a second (and when it exits), and the supervisor, which
 serves the admin port, merges the files: counters and histograms are summed over every worker
 that ever ran under this supervisor (so a worker that died, even by SIGKILL, still counts up
-to its last write, and totals never go backwards), gauges only over live workers (summed, or
+to its last write, and totals never go backwards: :func:`retire` folds a dead worker's file
+into one), gauges only over live workers (summed, or
 max/min where summing makes no sense, e.g. the route count). This is prometheus_client's
 multiprocess mode in shape, with a snapshot file per worker instead of an mmap write per
 increment. ``docs/operations.md`` has the operator's view.
@@ -219,30 +220,13 @@ def families(snapshots: Sequence[Snapshot], live: Sequence[Snapshot]) -> Iterato
     ``live`` (gauges). One process passes its own snapshot as both."""
     for name, spec in SPECS.items():
         if spec.kind == "counter":
-            sums: dict[tuple[str, ...], float] = {}
-            for snap in snapshots:
-                for labels, value in snap.get("counters", {}).get(name, ()):
-                    key = tuple(labels)
-                    sums[key] = sums.get(key, 0) + value
             counter = CounterMetricFamily(name, spec.help, labels=spec.labels)
-            for key, total in sorted(sums.items()):
+            for key, total in sorted(_counter_sums(snapshots, name).items()):
                 counter.add_metric(list(key), total)
             yield counter
         elif spec.kind == "histogram":
-            merged: dict[tuple[str, ...], tuple[list[int], float]] = {}
-            for snap in snapshots:
-                for labels, counts, total in snap.get("histograms", {}).get(name, ()):
-                    key = tuple(labels)
-                    have = merged.get(key)
-                    if have is None:
-                        merged[key] = (list(counts), total)
-                    else:
-                        merged[key] = (
-                            [a + b for a, b in zip(have[0], counts, strict=True)],
-                            have[1] + total,
-                        )
             histogram = HistogramMetricFamily(name, spec.help, labels=spec.labels)
-            for key, (counts, total) in sorted(merged.items()):
+            for key, (counts, total) in sorted(_histogram_sums(snapshots, name).items()):
                 histogram.add_metric(list(key), _cumulative(spec.buckets, counts), total)
             yield histogram
         else:
@@ -254,6 +238,33 @@ def families(snapshots: Sequence[Snapshot], live: Sequence[Snapshot]) -> Iterato
             for key, values in sorted(seen.items()):
                 gauge.add_metric(list(key), _merge_values(values, spec.merge))
             yield gauge
+
+
+def _counter_sums(snapshots: Iterable[Snapshot], name: str) -> dict[tuple[str, ...], float]:
+    sums: dict[tuple[str, ...], float] = {}
+    for snap in snapshots:
+        for labels, value in snap.get("counters", {}).get(name, ()):
+            key = tuple(labels)
+            sums[key] = sums.get(key, 0) + value
+    return sums
+
+
+def _histogram_sums(
+    snapshots: Iterable[Snapshot], name: str
+) -> dict[tuple[str, ...], tuple[list[int], float]]:
+    merged: dict[tuple[str, ...], tuple[list[int], float]] = {}
+    for snap in snapshots:
+        for labels, counts, total in snap.get("histograms", {}).get(name, ()):
+            key = tuple(labels)
+            have = merged.get(key)
+            if have is None:
+                merged[key] = (list(counts), total)
+            else:
+                merged[key] = (
+                    [a + b for a, b in zip(have[0], counts, strict=True)],
+                    have[1] + total,
+                )
+    return merged
 
 
 def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
@@ -290,12 +301,50 @@ def exposition(registry: CollectorRegistry) -> bytes:
 
 
 # -- several workers --------------------------------------------------------------------------
-def write_snapshot(directory: Path, snap: Snapshot) -> None:
-    """Atomically replace this process's snapshot file."""
-    path = directory / f"{snap['pid']}.json"
-    tmp = directory / f".{snap['pid']}.json.tmp"
+def write_snapshot(directory: Path, snap: Snapshot, name: str = "") -> None:
+    """Atomically replace this process's snapshot file (or ``name``)."""
+    name = name or f"{snap['pid']}.json"
+    path = directory / name
+    tmp = directory / f".{name}.tmp"
     tmp.write_text(json.dumps(snap, separators=(",", ":")))
     os.replace(tmp, path)
+
+
+RETIRED = "retired.json"  # the counters and histograms of every worker that has exited
+
+
+def retire(directory: Path, pid: int) -> None:
+    """A worker has exited: fold its last snapshot's counters and histograms into
+    :data:`RETIRED` and delete its file (its gauges died with it).
+
+    Kept per pid, the files of dead workers grew by one per restart (a crash-looping worker:
+    one every 10 s, each read by every scrape), and a new worker given a dead one's pid (the
+    kernel reuses pids) overwrote that file, so the totals went backwards (found by review).
+    The supervisor calls this after the worker's exit, so nothing writes either file meanwhile.
+    """
+    path = directory / f"{pid}.json"
+    found = read_snapshots(directory)
+    last = found.get(pid)
+    if last is not None:
+        folded = [s for s in (found.get(0), last) if s is not None]
+        retired: Snapshot = {
+            "pid": 0,
+            "counters": {
+                name: [[list(k), v] for k, v in sorted(_counter_sums(folded, name).items())]
+                for name, spec in SPECS.items()
+                if spec.kind == "counter"
+            },
+            "histograms": {
+                name: [
+                    [list(k), c, t] for k, (c, t) in sorted(_histogram_sums(folded, name).items())
+                ]
+                for name, spec in SPECS.items()
+                if spec.kind == "histogram"
+            },
+            "gauges": {},
+        }
+        write_snapshot(directory, retired, name=RETIRED)
+    path.unlink(missing_ok=True)
 
 
 def read_snapshots(directory: Path) -> dict[int, Snapshot]:

@@ -44,7 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
-from relay import admin, systemd
+from relay import admin, metrics, systemd
 from relay.addresses import split_address
 from relay.config import Config, load
 from relay.lifecycle import WORKER_FORCE_SIGNAL
@@ -217,6 +217,10 @@ class Supervisor:
 
     async def _wait_worker(self, worker: Worker, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        try:
+            metrics.retire(self.run_dir / "metrics", proc.pid)
+        except OSError as exc:  # a full or read-only run directory: its counts are lost
+            log.warning("cannot keep the metrics of worker %d: %s", worker.index, exc)
         ran_for = time.monotonic() - worker.started_at
         worker.ready = False
         # A SIGHUP it had not applied: its replacement gets one once ready (it starts with

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from relay import workers
+from relay import metrics, workers
 from relay.config import ConfigError, load, parse
 from relay.supervision import (
     BACKOFF_MAX_S,
@@ -488,6 +488,38 @@ async def test_a_stop_does_not_wait_for_a_worker_in_its_restart_backoff(
     started = time.monotonic()
     await supervisor._shutdown()
     assert time.monotonic() - started < 2.0
+
+
+def _requests_total(directory: Path) -> float:
+    snaps = list(metrics.read_snapshots(directory).values())
+    out = {m.name: m for m in metrics.families(snaps, [])}
+    return sum(s.value for s in out["relay_requests"].samples)
+
+
+def _counted(pid: int, requests: int) -> dict[str, object]:
+    return {"pid": pid, "counters": {"relay_requests": [[["app", "2xx"], requests]]}}
+
+
+async def test_a_dead_workers_counts_are_kept_once_its_pid_comes_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Snapshots were kept per pid for good: one more file per restart (a crash loop: one
+    every 10 s, all read by every scrape), and a new worker given a dead one's pid overwrote
+    its file, so relay_requests_total went backwards (found by review). The supervisor now
+    folds a dead worker's counts into one file when it reaps it."""
+    supervisor = _supervisor(tmp_path, monkeypatch, [])
+    supervisor.run_dir = tmp_path
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    metrics.write_snapshot(directory, _counted(111, 5))
+    metrics.write_snapshot(directory, _counted(222, 100))
+    supervisor.stop.set()  # no restart: only the reaping is under test
+    for _ in range(2):  # pid 222 dies, comes back (reused), dies again
+        await supervisor._wait_worker(supervisor.workers[1], _Exiting(222))  # type: ignore[arg-type]
+        assert not (directory / "222.json").exists()
+        metrics.write_snapshot(directory, _counted(222, 3))
+    assert _requests_total(directory) == 5 + 100 + 3 + 3
+    assert sorted(p.name for p in directory.iterdir()) == ["111.json", "222.json", "retired.json"]
 
 
 # -- a restarted worker runs what its siblings run (relay.lifecycle.save_effective_config) ----
