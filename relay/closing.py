@@ -102,6 +102,7 @@ class Closing:
     _discarding: bool  # the active request's body is only dropped, on a deadline (discarding)
     client_eof: bool
     tls: bool
+    _rest: bytes  # a sliced read's rest, fed in the loop's next turn (relay.slices declares it)
 
     def write(self, data: bytes) -> None:
         raise NotImplementedError  # ClientConnection.write, through the relay's outbox
@@ -286,7 +287,8 @@ class Closing:
         connections for as long as the upstream does. The kernel knows: a zero-timeout
         ``poll`` reports POLLERR or POLLHUP, which are always reported whatever the events
         asked. A FIN alone (POLLRDHUP) is not a departure: a client may half-close once its
-        request is sent and still read the answer (eof_received).
+        request is sent and still read the answer (eof_received); except during a stream,
+        which a FIN ends whether relay reads the client or not (_fin_while_paused).
         """
         transport = self.transport
         if not self._paused or self.closing or transport is None or transport.is_closing():
@@ -298,13 +300,41 @@ class Closing:
             # client's FIN when it reads it (eof_received), but a paused one's FIN went unseen
             # and held the splice, its descriptors and its in-flight count for as long as the
             # upstream stayed silent (found by review). An HTTP client may half-close and
-            # still read its answer: only a reset or a hang-up ends it.
-            poller.register(sock.fileno(), select.POLLRDHUP if self.splice is not None else 0)
+            # still read its answer: only a reset or a hang-up ends it, or a FIN during a
+            # stream (eof_received; found by review: a stream with a pipelined request queued
+            # behind it, the client paused, held its upstream after the client's FIN).
+            poller.register(sock.fileno(), select.POLLRDHUP)
             events = poller.poll(0)
-            if events and not self._frames_to_pass(events[0][1], sock.fileno()):
+            revents = events[0][1] if events else 0
+            if revents & (select.POLLERR | select.POLLHUP) or (
+                revents
+                and self.splice is not None
+                and not self._frames_to_pass(revents, sock.fileno())
+            ):
                 self.abort()  # connection_lost follows: the exchange and its upstream end
                 return
+            if revents and self.splice is None and self._fin_while_paused(sock.fileno()):
+                return
         self.relay.timers.paused(self)
+
+    def _fin_while_paused(self, fd: int) -> bool:
+        """The paused HTTP client sent its FIN (POLLRDHUP), which relay has not read: during a
+        stream it ends the exchange now, as eof_received does (README, "Half-closed clients
+        wait"); true when it did. Otherwise the half-close keeps its meaning: when nothing the
+        client sent is left unread (the FIN is all that remains), the client is marked
+        half-closed, so a response that turns out a stream is ended at its head, as for a
+        FIN that was read; its requests are answered, and eof_received reads the FIN later."""
+        active = self.active
+        if active is not None and active.streaming():
+            self._mid_message = False  # the client sends nothing more: no lingering needed
+            self.client_eof = True
+            self.close()
+            return True
+        # (Not over TLS: its EOF ends the connection anyway, and the socket's unread bytes
+        # are records; nor with a sliced read's rest still to feed, relay.slices.)
+        if not self.tls and not self._rest and not _ioctl_count(fd, termios.FIONREAD):
+            self.client_eof = True
+        return False
 
     def _frames_to_pass(self, revents: int, fd: int) -> bool:
         """A WebSocket client that sent its FIN while relay held its frames back (its upstream

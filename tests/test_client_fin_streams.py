@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream
+from relay import timers
+from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
 
 STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
@@ -175,3 +176,99 @@ async def test_a_whole_chunked_answer_still_reaches_a_half_closed_client(
         assert answer.endswith(b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), answer
     else:
         assert answer.endswith(b"\r\n\r\nhello"), answer
+
+
+@pytest.mark.parametrize("head_first", [True, False], ids=["fin-mid-stream", "fin-before-head"])
+@pytest.mark.parametrize("how", ["shutdown", "close"])
+async def test_a_fin_during_a_stream_ends_it_while_relay_does_not_read_the_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, head_first: bool
+) -> None:
+    """A stream with a pipelined request queued behind it: relay stops reading the client
+    (PAUSE_QUEUE), so the event loop never reads its FIN. The periodic peer check
+    (check_peer, PEER_CHECK_S) must see it (POLLRDHUP) and end the stream as a FIN read
+    would, whether it came during the stream or before its head. A FIN is only a FIN here:
+    no reset, no hang-up, as nothing is written to the client while the stream is quiet."""
+    monkeypatch.setattr(timers, "PEER_CHECK_S", 0.2)
+    upstream_closed = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        if not head_first:
+            await go_on.wait()
+        writer.write(STREAM_HEAD + CHUNK)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+            await reader.read()  # the queued request is never sent here: the stream is first
+        upstream_closed.set()
+        writer.close()
+
+    async with (
+        scripted_upstream(stream) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        try:
+            queued = f"GET /after HTTP/1.1\r\nHost: {port}-finstream.{DOMAIN}\r\n\r\n"
+            writer.write(_request(port) + queued.encode())
+            await until(lambda: len(relay.relay.connections) == 1)
+            (conn,) = relay.relay.connections
+            await until(lambda: bool(conn._paused))
+            if head_first:
+                got = b""
+                async with asyncio.timeout(5):
+                    while EVENT not in got:
+                        got += await reader.read(65536)
+            if how == "shutdown":
+                writer.write_eof()
+            else:
+                writer.close()
+            await asyncio.sleep(1)  # several peer checks before the head
+            go_on.set()
+            await asyncio.wait_for(upstream_closed.wait(), 5)
+            await until(lambda: relay.relay.pool.opened == 0)
+            await until(lambda: not relay.relay.connections)
+        finally:
+            go_on.set()
+            writer.close()
+
+
+async def test_a_paused_half_closed_client_still_gets_every_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The half-close relay keeps serving while it does not read the client: two pipelined
+    requests (the second queued, the client paused), the FIN, and answers with a length that
+    come after several peer checks. Both are answered, in order, then the connection
+    closes."""
+    monkeypatch.setattr(timers, "PEER_CHECK_S", 0.2)
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            for _ in range(2):  # bounded: the two requests, on one pooled connection or two
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"POST"):
+                    await reader.readexactly(2)
+                    await asyncio.sleep(1)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n" + head[:5])
+                await writer.drain()
+        writer.close()
+
+    async with (
+        scripted_upstream(slow) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        try:
+            queued = f"GET /after HTTP/1.1\r\nHost: {port}-finstream.{DOMAIN}\r\n\r\n"
+            writer.write(_request(port) + queued.encode())
+            await until(lambda: len(relay.relay.connections) == 1)
+            (conn,) = relay.relay.connections
+            await until(lambda: bool(conn._paused))
+            writer.write_eof()
+            async with asyncio.timeout(5):
+                answer = await reader.read()
+        finally:
+            writer.close()
+    assert answer.count(b"HTTP/1.1 200 OK") == 2, answer
+    assert answer.endswith(b"\r\n\r\nGET /"), answer
