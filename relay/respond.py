@@ -135,6 +135,7 @@ class Respond:
     _interim_sent: bool
     _upstream_keepalive: bool
     _dial_task: asyncio.Task[None] | None
+    _flood_waits: bool  # the rest of an upstream read is fed in the next pass (relay.forward)
 
     def streaming(self) -> bool:
         """A response of unknown length is under way: a stream. Chunked to the client, or to
@@ -333,8 +334,14 @@ class Respond:
 
     def _end_stream_after_fin(self) -> None:
         """The half-closed client's response is still a stream after its head's read: the
-        client is taken as gone (closing.Closing.eof_received), and the exchange ends."""
+        client is taken as gone (closing.Closing.eof_received), and the exchange ends. Not
+        while the rest of that read waits to be fed (a flood of tiny chunks, relay.forward's
+        _flood_continue, scheduled after this check): the check follows it (found by review:
+        a whole answer of tiny chunks in one read was cut after its first slice)."""
         if self.state is STREAMING and self.streaming():
+            if self._flood_waits:
+                self.client.relay.outbox.later(self._end_stream_after_fin)  # bounded: the read
+                return
             self.client.close()
 
     def _drop_rest(self) -> None:

@@ -272,3 +272,60 @@ async def test_a_paused_half_closed_client_still_gets_every_answer(
             writer.close()
     assert answer.count(b"HTTP/1.1 200 OK") == 2, answer
     assert answer.endswith(b"\r\n\r\nGET /"), answer
+
+
+async def test_a_whole_answer_of_tiny_chunks_still_reaches_a_half_closed_client(
+    tmp_path: Path,
+) -> None:
+    """A whole chunked answer in one read that is a flood of tiny chunks (more than
+    FLOOD_PIECES in its first slice): relay feeds the rest of that read in the loop's next
+    pass (relay.forward, _flood_continue), after the check of a half-closed client's stream,
+    which found the answer unfinished and closed the client, though the read held all of it
+    (found by review: the rule is that an answer whose end comes in its head's read is
+    answered). NDJSON rows written one chunk each, as Node's res.write does."""
+    rows = [b'{"row":%04d}\n' % n for n in range(1200)]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(row), row) for row in rows) + b"0\r\n\r\n"
+    assert len(body) > 2 * 8192
+
+    async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        await asyncio.sleep(0.3)  # the client's FIN reaches relay first
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+            await reader.read()
+        writer.close()
+
+    async with (
+        scripted_upstream(whole) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        try:
+            writer.write(_request(port))
+            await writer.drain()
+            writer.write_eof()
+            async with asyncio.timeout(5):
+                answer = await reader.read()
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
+    assert _dechunked(answer.partition(b"\r\n\r\n")[2]) == b"".join(rows)
+
+
+def _dechunked(framed: bytes) -> bytes:
+    """A whole chunked body's data (relay frames the chunks its own way: a chunk split
+    between two slices of a read goes out as two)."""
+    out: list[bytes] = []
+    at = 0
+    for _ in range(len(framed)):  # bounded: each chunk takes at least one byte
+        line_end = framed.find(b"\r\n", at)
+        assert line_end >= 0, f"cut after {sum(map(len, out))} bytes of data"
+        size = int(framed[at:line_end], 16)
+        if size == 0:
+            assert framed[line_end:] == b"\r\n\r\n", framed[line_end:]
+            return b"".join(out)
+        out.append(framed[line_end + 2 : line_end + 2 + size])
+        at = line_end + 2 + size + 2
+    raise AssertionError("no last chunk")
