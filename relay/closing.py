@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import logging
 import select
+import socket
 import struct
 import termios
 import time
@@ -49,6 +50,7 @@ SPLICE_FIN_WAIT_S = 30.0
 # A closed connection whose client takes none of relay's last answer for this long is cut off
 # (nginx's send_timeout; without a total, as SPEC §4 has none on an exchange).
 CLOSE_STALL_S = 60.0
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, zero seconds: close() sends a reset
 
 
 class Closing:
@@ -373,10 +375,20 @@ class Closing:
             self.relay.timers.expect_head(self)
 
     def abort(self) -> None:
+        """End the connection abortively: the client must see a reset. uvloop's (and
+        asyncio's) abort() only closes without flushing, and the kernel then sends a FIN
+        when nothing the client sent is left unread, which ends a close-delimited body (an
+        HTTP/1.0 client's) as complete (RFC 9112 §8; found by review: a cut read as the whole
+        answer). SO_LINGER zero makes the close a reset (RFC 9293 §3.6.1's abort)."""
         self.relay.outbox.flush()
         self.closing = True
-        if self.transport is not None:
-            self.transport.abort()
+        transport = self.transport
+        if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None and not transport.is_closing():
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            transport.abort()
 
     def head_timed_out(self) -> None:
         """``listen.header_timeout_s`` passed without a complete request head (slowloris), or

@@ -12,10 +12,15 @@ truncation"; respond.py Respond.cut: "close without the terminator so the client
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import struct
 from pathlib import Path
 
 import pytest
 
+from tests.support import harness
+from tests.support.harness import route, running_relay, scripted_upstream
 from tests.support.wired import DOMAIN, make_wired
 
 HOST = f"3000-sbx.{DOMAIN}"
@@ -55,3 +60,47 @@ def test_an_http10_client_sees_a_cut_response_as_cut(
     kinds = [kind for kind, _ in events]
     assert "abort" in kinds, f"{kinds}: an orderly close ends a close-delimited body cleanly"
     assert "close" not in kinds
+
+
+@pytest.mark.parametrize("ending", ["fin-mid-chunk-stream", "reset"])
+async def test_a_cut_reaches_a_real_http10_client_as_a_reset(tmp_path: Path, ending: str) -> None:
+    """The test above watches relay call abort() on a stand-in transport. On a real socket
+    uvloop's (and asyncio's) abort() is a close that drops what is unsent, and the kernel
+    sends a FIN, not a reset, when nothing the client sent is left unread: the client took
+    the part it got for the whole answer (found by review). relay's abort sets SO_LINGER to
+    zero first, so that the close is a reset."""
+
+    async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if ending == "reset":
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        sock = writer.get_extra_info("socket")
+        if ending == "reset":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+
+    async with (
+        scripted_upstream(cut_short) as port,
+        running_relay(tmp_path, [route("sbx", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        host = f"{port}-sbx.{harness.DOMAIN}"
+        writer.write(f"GET /x HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        got = b""
+        cut = False
+        try:
+            async with asyncio.timeout(5):
+                for _ in range(100):  # bounded: until the end of the answer
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    got += data
+        except ConnectionResetError:
+            cut = True
+        finally:
+            writer.close()
+    assert cut, f"an orderly close: {got!r} reads as the whole answer"
