@@ -147,7 +147,10 @@ class Closing:
         # every 50 s). The JS SDK over plain HTTP, and a front proxy whose client left, end a
         # stream with a FIN; Go's server and nginx take it as an abort too (README,
         # "Half-closed clients wait"; found by review).
-        return not self.active.streaming()
+        if self.active.streaming():
+            self.active.end_at_fin()  # a reset for an HTTP/1.0 client's (found by review)
+            return False
+        return True
 
     def exchange_cut(self, exchange: object) -> None:
         """The active exchange ended without a clean end: the client must see it."""
@@ -330,7 +333,7 @@ class Closing:
         if active is not None and active.streaming():
             self._mid_message = False  # the client sends nothing more: no lingering needed
             self.client_eof = True
-            self.close()
+            active.end_at_fin()
             return True
         # (Not over TLS: its EOF ends the connection anyway, and the socket's unread bytes
         # are records; nor with a sliced read's rest still to feed, relay.slices.)

@@ -342,6 +342,17 @@ class Respond:
             if self._flood_waits:
                 self.client.relay.outbox.later(self._end_stream_after_fin)  # bounded: the read
                 return
+            self.end_at_fin()
+
+    def end_at_fin(self) -> None:
+        """The client sent its FIN during this stream: the client connection ends, and with
+        it the exchange (client_closed). A close-delimited body (an HTTP/1.0 client) is
+        complete at an orderly close (RFC 9112 §8), and a half-closed client may still read:
+        a reset tells it the answer was cut, as for any cut (cut; found by review: the part
+        written read as the whole answer). A chunked one lacks its last chunk: a close."""
+        if self._client_framing is Framing.NONE:
+            self.client.abort()
+        else:
             self.client.close()
 
     def _drop_rest(self) -> None:

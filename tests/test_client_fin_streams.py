@@ -329,3 +329,60 @@ def _dechunked(framed: bytes) -> bytes:
         out.append(framed[line_end + 2 : line_end + 2 + size])
         at = line_end + 2 + size + 2
     raise AssertionError("no last chunk")
+
+
+@pytest.mark.parametrize("head_first", [True, False], ids=["fin-mid-stream", "fin-before-head"])
+async def test_a_stream_ended_at_a_fin_is_cut_for_an_http10_client_that_still_reads(
+    tmp_path: Path, head_first: bool
+) -> None:
+    """A half-closed HTTP/1.0 client may still read (TCP does not tell a half-close from a
+    close). Its stream is close-delimited (RFC 9112 §6.3), so an orderly close after the part
+    relay wrote makes that part the whole answer: RFC 9112 §8 takes it as complete "unless an
+    error was indicated by the underlying connection". relay ends a cut HTTP/1.0 response with
+    a reset (README "HTTP versions", Respond.cut); the stream ended at the client's FIN is a
+    cut too, and must not read as a complete answer."""
+    go_on = asyncio.Event()
+    upstream_closed = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        if not head_first:
+            await go_on.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\nhello")
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+            await reader.read()
+        upstream_closed.set()
+        writer.close()
+
+    async with (
+        scripted_upstream(stream) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        got = b""
+        ending = "clean"
+        try:
+            writer.write(_request(port, "1.0"))
+            async with asyncio.timeout(5):
+                if head_first:
+                    while b"hello" not in got:
+                        got += await reader.read(65536)
+                writer.write_eof()
+                await asyncio.sleep(0.2)
+                go_on.set()
+                try:
+                    for _ in range(100):  # bounded: until the end of the answer
+                        data = await reader.read(65536)
+                        if not data:
+                            break
+                        got += data
+                except ConnectionResetError:
+                    ending = "reset"
+            await asyncio.wait_for(upstream_closed.wait(), 5)
+            await until(lambda: relay.relay.pool.opened == 0)
+        finally:
+            go_on.set()
+            writer.close()
+    assert ending == "reset", got  # a clean end would make b"hello" the whole body
