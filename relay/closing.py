@@ -152,6 +152,16 @@ class Closing:
             return False
         return True
 
+    def drop_after_fin(self) -> None:
+        """The client's FIN ended its stream (relay.respond, end_at_fin): every exchange ends
+        now (client_closed), its upstream closed and its in-flight slot freed; the connection
+        closes once what relay wrote is flushed, within the close's deadlines. Not at the
+        close's end: a client that does not read never takes the rest, and the upstream was
+        held until CLOSE_STALL_S (found by review)."""
+        self._mid_message = False  # the client sends nothing more: no lingering needed
+        self._end_exchanges()
+        self.close()
+
     def exchange_cut(self, exchange: object) -> None:
         """The active exchange ended without a clean end: the client must see it."""
         if exchange is self.active:
@@ -331,7 +341,6 @@ class Closing:
         FIN that was read; its requests are answered, and eof_received reads the FIN later."""
         active = self.active
         if active is not None and active.streaming():
-            self._mid_message = False  # the client sends nothing more: no lingering needed
             self.client_eof = True
             active.end_at_fin()
             return True

@@ -349,11 +349,12 @@ class Respond:
         it the exchange (client_closed). A close-delimited body (an HTTP/1.0 client) is
         complete at an orderly close (RFC 9112 §8), and a half-closed client may still read:
         a reset tells it the answer was cut, as for any cut (cut; found by review: the part
-        written read as the whole answer). A chunked one lacks its last chunk: a close."""
+        written read as the whole answer). A chunked one lacks its last chunk: a close, the
+        exchanges ended first (Closing.drop_after_fin)."""
         if self._client_framing is Framing.NONE:
             self.client.abort()
         else:
-            self.client.close()
+            self.client.drop_after_fin()
 
     def _drop_rest(self) -> None:
         """The response ended before the request body: the rest of the body has nowhere to

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from relay import timers
+from relay.flow import PAUSE_CLIENT_FULL
 from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
 
 STREAM_HEAD = (
@@ -386,3 +388,45 @@ async def test_a_stream_ended_at_a_fin_is_cut_for_an_http10_client_that_still_re
             go_on.set()
             writer.close()
     assert ending == "reset", got  # a clean end would make b"hello" the whole body
+
+
+async def test_a_fin_ends_a_stream_at_once_for_a_client_that_does_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's client that stopped reading (relay's buffer for it full, PAUSE_CLIENT_FULL)
+    and sent its FIN: relay ends the stream (check_peer), and the rule is that the exchange
+    ends and its upstream closes at once. A close of the client connection waits for what
+    relay still has to write, which a client that does not read never takes: the upstream
+    and the sandbox's in-flight slot were held until the close's stall deadline
+    (CLOSE_STALL_S, 60 s)."""
+    monkeypatch.setattr(timers, "PEER_CHECK_S", 0.2)
+    upstream_closed = asyncio.Event()
+    piece = b"e" * 65536
+    chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(STREAM_HEAD)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(512):  # bounded: 32 MiB, far past every buffer on the way
+                writer.write(chunk)
+                await writer.drain()
+        upstream_closed.set()
+        writer.close()
+
+    async with (
+        scripted_upstream(flood) as port,
+        running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
+    ):
+        sock = socket.create_connection(("127.0.0.1", relay.port))
+        try:
+            sock.sendall(_request(port))
+            await until(lambda: len(relay.relay.connections) == 1)
+            (conn,) = relay.relay.connections
+            await until(lambda: bool(conn._paused & PAUSE_CLIENT_FULL), within_s=10)
+            sock.shutdown(socket.SHUT_WR)
+            await asyncio.wait_for(upstream_closed.wait(), 5)
+            await until(lambda: relay.relay.pool.opened == 0)
+        finally:
+            sock.close()
