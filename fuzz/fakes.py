@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,9 @@ class Bugs(logging.Handler):
     """relay logs a bug at ERROR level (never shows it to the client): that is a crash."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        raise AssertionError(f"relay logged an error: {record.getMessage()}")
+        # With the logged exception's own traceback: the one raised here shows only the log call.
+        trace = "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else ""
+        raise AssertionError(f"relay logged an error: {record.getMessage()}\n{trace}")
 
 
 class FakeTransport:
@@ -207,7 +210,8 @@ class FakePool:
         self.made.clear()
         self.idle.clear()
 
-    def acquire(self, key: PoolKey) -> FakeUpstream:
+    def acquire(self, key: PoolKey, max_idle_s: float = 0.0) -> FakeUpstream:
+        # No clock here: an idle connection is never older than max_idle_s (Pool.acquire).
         idle = self.idle.get(key, [])
         while idle:
             conn = idle.pop()

@@ -199,11 +199,11 @@ class Harness:
         self.relay.spawn = self.spawn  # type: ignore[method-assign]
         acquire = self.pool.acquire
 
-        def checked_acquire(key: Any) -> FakeUpstream:
+        def checked_acquire(key: Any, max_idle_s: float = 0.0) -> FakeUpstream:
             idle = [c for c in self.pool.idle.get(key, []) if not c.closed]
             if idle:
                 self.check_idle(idle[-1])  # the one acquire takes (last in, first out)
-            return acquire(key)
+            return acquire(key, max_idle_s)
 
         self.pool.acquire = checked_acquire  # type: ignore[method-assign]
         release = self.pool.release
