@@ -323,8 +323,13 @@ def retire(directory: Path, pid: int) -> None:
     The supervisor calls this after the worker's exit, so nothing writes either file meanwhile.
     """
     path = directory / f"{pid}.json"
+    # Killed between write_snapshot's write and its rename, a worker left its newest snapshot
+    # whole in the temporary file; killed during the write, a torn one that does not parse.
+    # Either way the file goes with the worker, or it would stay for good (found by review).
+    tmp = directory / f".{pid}.json.tmp"
     found = read_snapshots(directory)
-    last = found.get(pid)
+    newest = _read(tmp)
+    last = newest if newest is not None and newest["pid"] == pid else found.get(pid)
     if last is not None:
         folded = [s for s in (found.get(0), last) if s is not None]
         retired: Snapshot = {
@@ -345,18 +350,26 @@ def retire(directory: Path, pid: int) -> None:
         }
         write_snapshot(directory, retired, name=RETIRED)
     path.unlink(missing_ok=True)
+    tmp.unlink(missing_ok=True)
 
 
 def read_snapshots(directory: Path) -> dict[int, Snapshot]:
     out: dict[int, Snapshot] = {}
     for path in directory.glob("*.json"):
-        try:
-            snap = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced, or truncated by a crash: the next scrape reads it
-        if isinstance(snap, dict) and isinstance(snap.get("pid"), int) and well_formed(snap):
+        snap = _read(path)
+        if snap is not None:
             out[snap["pid"]] = snap
     return out
+
+
+def _read(path: Path) -> Snapshot | None:
+    try:
+        snap = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # being replaced, or truncated by a crash: the next scrape reads it
+    if isinstance(snap, dict) and isinstance(snap.get("pid"), int) and well_formed(snap):
+        return snap
+    return None
 
 
 def well_formed(snap: Snapshot) -> bool:

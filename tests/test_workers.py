@@ -522,6 +522,42 @@ async def test_a_dead_workers_counts_are_kept_once_its_pid_comes_back(
     assert sorted(p.name for p in directory.iterdir()) == ["111.json", "222.json", "retired.json"]
 
 
+async def test_a_worker_killed_between_writing_and_renaming_its_snapshot_is_retired_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed (the OOM killer, the supervisor's watchdog or drain deadline) after
+    metrics.write_snapshot wrote its temporary file but before the rename leaves that file,
+    whole and a second newer than its snapshot. metrics.retire read only the snapshot and left
+    the temporary file in the directory for good, one per such death."""
+    supervisor = _supervisor(tmp_path, monkeypatch, [])
+    supervisor.run_dir = tmp_path
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    metrics.write_snapshot(directory, _counted(222, 100))
+    (directory / ".222.json.tmp").write_text(json.dumps(_counted(222, 130)))
+    supervisor.stop.set()  # no restart: only the reaping is under test
+    await supervisor._wait_worker(supervisor.workers[1], _Exiting(222))  # type: ignore[arg-type]
+    assert _requests_total(directory) == 130
+    assert [p.name for p in directory.iterdir()] == ["retired.json"]
+
+
+async def test_a_torn_temporary_snapshot_of_a_dead_worker_is_dropped_not_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed in the middle of the write, the temporary file is cut short: the snapshot before
+    it is what the worker counted, and the torn file goes with it."""
+    supervisor = _supervisor(tmp_path, monkeypatch, [])
+    supervisor.run_dir = tmp_path
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    metrics.write_snapshot(directory, _counted(222, 100))
+    (directory / ".222.json.tmp").write_text(json.dumps(_counted(222, 130))[:-1])
+    supervisor.stop.set()
+    await supervisor._wait_worker(supervisor.workers[1], _Exiting(222))  # type: ignore[arg-type]
+    assert _requests_total(directory) == 100
+    assert [p.name for p in directory.iterdir()] == ["retired.json"]
+
+
 # -- a restarted worker runs what its siblings run (relay.lifecycle.save_effective_config) ----
 async def _ready_pids(relay: RelayProcess, within: float, exclude: int = 0) -> list[int] | None:
     deadline = time.monotonic() + within
