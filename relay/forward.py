@@ -351,13 +351,16 @@ class Exchange(Respond):
         """A pooled connection the upstream closed just as it was reused: send again, once.
 
         Only for idempotent requests without a body (RFC 9110 §9.2.2) that got no response
-        byte; the race is between the upstream's idle close and relay noticing it.
+        byte; the race is between the upstream's idle close and relay noticing it. An
+        upstream that began its answer took the request: a GET with side effects must not run
+        twice (Go's transport does not retry then either; found by review).
         """
         decision = self.decision
         if (
             self._retried
             or not self._reused
             or self.status
+            or (self.reader is not None and self.reader.began)
             or self._interim_sent  # a 1xx reached the client: it must not see it twice
             or not isinstance(decision, Forward)
             or not decision.replayable

@@ -177,6 +177,11 @@ class ResponseReader:
         self._cut = 0  # and where the slice being fed ends in it
         self.bind(owner)
 
+    @property
+    def began(self) -> bool:
+        """Some of a response came for the bound exchange (llhttp began its head)."""
+        return self._head_bytes > 0
+
     def bind(self, owner: Events) -> None:
         """The next exchange on this connection reads its response with this reader.
 

@@ -480,6 +480,40 @@ async def test_a_stale_pooled_connection_is_retried_once_for_idempotent_requests
         await server.wait_closed()
 
 
+async def test_a_reused_connection_closed_mid_head_is_not_sent_again(tmp_path: Path) -> None:
+    """The retry mends the idle-close race only: an upstream that began its answer (part of
+    a status line) and then closed has taken the request, and a GET with side effects (apps
+    have them) must not run twice. Go's transport retries only when nothing was read either
+    (found by review). relay answered it again on a fresh connection: 200 and two runs."""
+    runs = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal runs
+        await reader.readuntil(b"\r\n\r\n")
+        runs += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")  # the reuse: begin an answer, then close
+            runs += 1
+            writer.write(b"HTTP/1.1 200 O")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with running_relay(tmp_path, [route("midhead", insecure=True)]) as relay:
+            host = app_host(port, "midhead")
+            assert (await request(relay.port, "GET", "/1", host)).status == 200
+            second = await request(relay.port, "GET", "/2", host)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert second.status == 502
+    assert runs == 2
+
+
 async def test_a_request_that_cannot_be_sent_again_avoids_a_connection_idle_past_a_second(
     tmp_path: Path,
 ) -> None:
