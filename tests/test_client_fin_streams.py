@@ -16,13 +16,21 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from relay import timers
 from relay.flow import PAUSE_CLIENT_FULL
-from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
+from tests.support.harness import (
+    DOMAIN,
+    RelayUnderTest,
+    route,
+    running_relay,
+    scripted_upstream,
+    until,
+)
 
 STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\n"
@@ -37,6 +45,75 @@ def _request(port: int, version: str = "1.1") -> bytes:
         f"POST /process.Process/Start HTTP/{version}\r\nHost: {port}-finstream.{DOMAIN}\r\n"
         "Content-Type: application/connect+json\r\nContent-Length: 2\r\n\r\n{}"
     ).encode()
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def _streaming(
+    first: bytes,
+    go_on: asyncio.Event,
+    upstream_closed: asyncio.Event,
+    *,
+    head_first: bool,
+    request_seen: asyncio.Event | None = None,
+) -> Handler:
+    """An upstream that takes the POST (``request_seen``), sends ``first`` (the stream's head
+    and a first event; after ``go_on`` unless ``head_first``) and then nothing more, as a
+    watch with no change does: ``upstream_closed`` is set when relay closes this connection."""
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        if request_seen is not None:
+            request_seen.set()
+        if not head_first:
+            await go_on.wait()
+        writer.write(first)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+            await reader.read()  # nothing more is sent; EOF when relay closes this connection
+        upstream_closed.set()
+        writer.close()
+
+    return stream
+
+
+def _answering_late(answer: bytes) -> Handler:
+    """An upstream that takes the POST and sends the whole ``answer`` in one write 0.3 s
+    later, once the client's FIN has reached relay."""
+
+    async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        await asyncio.sleep(0.3)  # the client's FIN reaches relay first
+        writer.write(answer)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+            await reader.read()
+        writer.close()
+
+    return whole
+
+
+async def _read_past(reader: asyncio.StreamReader, marker: bytes) -> bytes:
+    got = b""
+    async with asyncio.timeout(5):
+        while marker not in got:
+            got += await reader.read(65536)
+    return got
+
+
+async def _pipelined_and_paused(
+    writer: asyncio.StreamWriter, relay: RelayUnderTest, port: int
+) -> None:
+    """The POST and a GET pipelined behind it: relay queues the GET and stops reading the
+    client (PAUSE_QUEUE), so the event loop does not read a FIN that follows."""
+    queued = f"GET /after HTTP/1.1\r\nHost: {port}-finstream.{DOMAIN}\r\n\r\n"
+    writer.write(_request(port) + queued.encode())
+    await until(lambda: len(relay.relay.connections) == 1)
+    (conn,) = relay.relay.connections
+    await until(lambda: bool(conn._paused))
 
 
 @pytest.mark.parametrize("version", ["1.1", "1.0"])
@@ -54,21 +131,15 @@ async def test_a_fin_during_a_stream_ends_it_upstream(
     proxy_http_version) closes its connection when its own client leaves (found by review:
     only a stream chunked to the client was ended, this one held its upstream)."""
     upstream_closed = asyncio.Event()
-    request_seen = asyncio.Event()
     go_on = asyncio.Event()
-
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await reader.readexactly(2)
-        request_seen.set()
-        if not head_first:
-            await go_on.wait()
-        writer.write(STREAM_HEAD + CHUNK)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-            await reader.read()  # nothing more is sent; EOF when relay closes this connection
-        upstream_closed.set()
-        writer.close()
+    request_seen = asyncio.Event()
+    stream = _streaming(
+        STREAM_HEAD + CHUNK,
+        go_on,
+        upstream_closed,
+        head_first=head_first,
+        request_seen=request_seen,
+    )
 
     async with (
         scripted_upstream(stream) as port,
@@ -79,10 +150,7 @@ async def test_a_fin_during_a_stream_ends_it_upstream(
             writer.write(_request(port, version))
             await request_seen.wait()
             if head_first:
-                got = b""
-                async with asyncio.timeout(5):
-                    while EVENT not in got:
-                        got += await reader.read(65536)
+                await _read_past(reader, EVENT)
             if how == "shutdown":
                 writer.write_eof()
             else:
@@ -148,18 +216,9 @@ async def test_a_whole_chunked_answer_still_reaches_a_half_closed_client(
     the body's bytes). A short answer of a Go handler (past 2 KiB), Node's or a streaming
     framework's comes chunked."""
 
-    async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await reader.readexactly(2)
-        await asyncio.sleep(0.3)  # the client's FIN reaches relay first
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
-        )
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-            await reader.read()
-        writer.close()
-
+    whole = _answering_late(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    )
     async with (
         scripted_upstream(whole) as port,
         running_relay(tmp_path, [route("finstream", insecure=True)]) as relay,
@@ -193,18 +252,8 @@ async def test_a_fin_during_a_stream_ends_it_while_relay_does_not_read_the_clien
     monkeypatch.setattr(timers, "PEER_CHECK_S", 0.2)
     upstream_closed = asyncio.Event()
     go_on = asyncio.Event()
-
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await reader.readexactly(2)
-        if not head_first:
-            await go_on.wait()
-        writer.write(STREAM_HEAD + CHUNK)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-            await reader.read()  # the queued request is never sent here: the stream is first
-        upstream_closed.set()
-        writer.close()
+    # the queued request is never sent there: the stream is first
+    stream = _streaming(STREAM_HEAD + CHUNK, go_on, upstream_closed, head_first=head_first)
 
     async with (
         scripted_upstream(stream) as port,
@@ -212,16 +261,9 @@ async def test_a_fin_during_a_stream_ends_it_while_relay_does_not_read_the_clien
     ):
         reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
         try:
-            queued = f"GET /after HTTP/1.1\r\nHost: {port}-finstream.{DOMAIN}\r\n\r\n"
-            writer.write(_request(port) + queued.encode())
-            await until(lambda: len(relay.relay.connections) == 1)
-            (conn,) = relay.relay.connections
-            await until(lambda: bool(conn._paused))
+            await _pipelined_and_paused(writer, relay, port)
             if head_first:
-                got = b""
-                async with asyncio.timeout(5):
-                    while EVENT not in got:
-                        got += await reader.read(65536)
+                await _read_past(reader, EVENT)
             if how == "shutdown":
                 writer.write_eof()
             else:
@@ -262,11 +304,7 @@ async def test_a_paused_half_closed_client_still_gets_every_answer(
     ):
         reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
         try:
-            queued = f"GET /after HTTP/1.1\r\nHost: {port}-finstream.{DOMAIN}\r\n\r\n"
-            writer.write(_request(port) + queued.encode())
-            await until(lambda: len(relay.relay.connections) == 1)
-            (conn,) = relay.relay.connections
-            await until(lambda: bool(conn._paused))
+            await _pipelined_and_paused(writer, relay, port)
             writer.write_eof()
             async with asyncio.timeout(5):
                 answer = await reader.read()
@@ -289,15 +327,7 @@ async def test_a_whole_answer_of_tiny_chunks_still_reaches_a_half_closed_client(
     body = b"".join(b"%x\r\n%s\r\n" % (len(row), row) for row in rows) + b"0\r\n\r\n"
     assert len(body) > 2 * 8192
 
-    async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await reader.readexactly(2)
-        await asyncio.sleep(0.3)  # the client's FIN reaches relay first
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-            await reader.read()
-        writer.close()
+    whole = _answering_late(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
 
     async with (
         scripted_upstream(whole) as port,
@@ -345,18 +375,12 @@ async def test_a_stream_ended_at_a_fin_is_cut_for_an_http10_client_that_still_re
     cut too, and must not read as a complete answer."""
     go_on = asyncio.Event()
     upstream_closed = asyncio.Event()
-
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await reader.readexactly(2)
-        if not head_first:
-            await go_on.wait()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\nhello")
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-            await reader.read()
-        upstream_closed.set()
-        writer.close()
+    stream = _streaming(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\nhello",
+        go_on,
+        upstream_closed,
+        head_first=head_first,
+    )
 
     async with (
         scripted_upstream(stream) as port,
