@@ -13,7 +13,7 @@ import pytest
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestServer
 
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay
+from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, scripted_upstream
 
 
 @dataclass
@@ -180,3 +180,42 @@ async def test_a_handshake_pipelined_behind_a_request_is_answered_after_it(
         assert echo == b"\x81\x07echo:hi"
     finally:
         writer.close()
+
+
+async def test_an_upgrade_llhttp_takes_that_is_no_handshake_is_refused(tmp_path: Path) -> None:
+    # llhttp takes ``Proxy-Connection: upgrade`` for ``Connection: upgrade`` and stops parsing
+    # at the head, as for any upgrade; relay's own rule (RFC 9110 §7.8: the option is named
+    # in Connection) saw no handshake and forwarded the request as a plain one. Its body then
+    # stayed in relay as the "WebSocket's" first bytes and never reached the app, which waited
+    # for it for ever (SPEC §4 sets no read timeout), holding the sandbox's in-flight slot.
+    got: list[bytes] = []
+
+    async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            got.append(head)
+            got.append(await asyncio.wait_for(reader.readexactly(5), 3))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async with (
+        scripted_upstream(app) as port,
+        running_relay(tmp_path, [route("pc", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        try:
+            writer.write(
+                f"POST /up HTTP/1.1\r\nHost: {port}-pc.{DOMAIN}\r\n"
+                "Proxy-Connection: upgrade\r\nUpgrade: websocket\r\nContent-Length: 5\r\n\r\n"
+                "hello".encode()
+            )
+            answer = await asyncio.wait_for(reader.read(), 5)  # the answer, then the close
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert b"Connection: close" in answer
+    assert got == []  # nothing reached the app: no request left waiting for its body

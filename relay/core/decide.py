@@ -104,6 +104,14 @@ def websocket_upgrade(
     if len(upgrade) != 1 or upgrade[0].strip().lower() != b"websocket":
         return Reject(reason=Reason.BAD_UPGRADE)
     if b"upgrade" not in headers.connection_tokens(fields.get(b"connection")):
+        if head.upgrade:
+            # llhttp took it for an upgrade all the same (it reads ``Proxy-Connection`` as
+            # ``Connection``) and parses nothing after the head: forwarded as a plain request,
+            # its body stayed behind as the "WebSocket's" first bytes and the app waited for
+            # it for ever (found by review).
+            return Reject(
+                reason=Reason.BAD_UPGRADE, detail="An upgrade must be named in Connection"
+            )
         return False  # a stray Upgrade field: dropped as hop-by-hop, not an upgrade
     if head.method != b"GET" or framing is not Framing.NONE:
         return Reject(

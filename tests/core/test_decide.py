@@ -268,6 +268,50 @@ def test_websocket_upgrade_is_forwarded_with_upgrade_fields() -> None:
     assert all(n.lower() != b"e2b-traffic-access-token" for n, _ in result.headers)
 
 
+class _Upgrade:
+    """llhttp's verdict on a request head: does it stop at an upgrade?"""
+
+    upgrade = False
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [b"Proxy-Connection: upgrade", b"Connection: upgrade", b"Connection: keep-alive"],
+)
+def test_an_upgrade_llhttp_stops_at_is_a_handshake_or_refused(connection: bytes) -> None:
+    # llhttp parses nothing after an upgrade's head: forwarded as a plain request, its body
+    # would never follow it (found by review with Proxy-Connection, which llhttp reads as
+    # Connection).
+    raw = (
+        b"GET / HTTP/1.1\r\nHost: 8080-sbx1.e2b.test\r\n"
+        + connection
+        + (b"\r\nUpgrade: websocket\r\nE2b-Traffic-Access-Token: traffic-tok\r\n\r\n")
+    )
+    verdict = _Upgrade()
+    try:
+        httptools.HttpRequestParser(verdict).feed_data(raw)
+    except httptools.HttpParserUpgrade:
+        verdict.upgrade = True
+    name, _, value = connection.partition(b": ")
+    fields = (
+        (b"Host", b"8080-sbx1.e2b.test"),
+        (name, value),
+        (b"Upgrade", b"websocket"),
+        (b"E2b-Traffic-Access-Token", b"traffic-tok"),
+    )
+    request_head = RequestHead(
+        method=b"GET", target=b"/", version="1.1", headers=fields, upgrade=verdict.upgrade
+    )
+    result = decide(request_head, TABLE, SETTINGS)
+    if verdict.upgrade:
+        assert (isinstance(result, Forward) and result.websocket) or (
+            isinstance(result, Reject) and result.reason is Reason.BAD_UPGRADE
+        )
+    else:
+        assert isinstance(result, Forward)
+        assert not result.websocket
+
+
 # -- properties -----------------------------------------------------------------------------
 
 names = st.sampled_from(
