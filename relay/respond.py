@@ -320,7 +320,10 @@ class Respond:
             self.client.relay.outbox.later(self._end_stream_after_fin)
         if plan.connect_stream:
             self._tracker = EnvelopeTracker()
-        self._out.append(plan.head)
+        # An upstream without a Date (RFC 9110 §6.6.1) gets relay's: one test per response.
+        self._out.append(
+            responses.with_date(plan.head, http_date()) if plan.dateless else plan.head
+        )
         if plan.ends_at_head:
             # llhttp cannot be told that a response answers HEAD, so it would wait for the
             # announced body: the response ends here and the connection is not reused.

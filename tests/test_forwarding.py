@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import gc
 import json
 import time
@@ -838,3 +839,34 @@ async def test_an_http10_client_kept_alive_is_told_so_by_relays_own_answers(
                 assert response.header("Connection") == "keep-alive"
         finally:
             await conn.close()
+
+
+async def test_a_response_without_a_date_is_given_one(tmp_path: Path) -> None:
+    # RFC 9110 §6.6.1: "A recipient with a clock that receives a response message without a
+    # Date header field MUST ... append a corresponding Date header field" when it forwards
+    # it. nginx, Envoy and Go's server (E2B's proxy) do; relay passed such a response on
+    # without one. An upstream's own Date is passed on as it came, never a second one.
+    answers: list[bytes | tuple[bytes, ...]] = [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\nContent-Length: 2\r\n\r\nok",
+    ]
+    async with (
+        _scripted_upstream(answers) as (port, _),
+        running_relay(tmp_path, [route("dateless", insecure=True)]) as relay,
+    ):
+        conn = await Connection.open(relay.port)
+        got = []
+        for i in range(3):
+            await conn.send(request_bytes("GET", f"/{i}", app_host(port, "dateless")))
+            got.append(await conn.read_response())
+        await conn.close()
+    for response in got[:2]:
+        assert response.body == b"ok"
+        dates = [value for name, value in response.headers if name.lower() == b"date"]
+        assert len(dates) == 1, response.headers
+        sent = email.utils.parsedate_to_datetime(dates[0].decode())
+        assert abs(sent.timestamp() - time.time()) < 5
+    assert [(n, v) for n, v in got[2].headers if n.lower() == b"date"] == [
+        (b"date", b"Sun, 06 Nov 1994 08:49:37 GMT")
+    ]

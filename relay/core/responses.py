@@ -21,6 +21,8 @@ CONNECT_TYPE = b"application/connect+json"
 _PLAIN_OPTIONS = frozenset({b"keep-alive", b"close", b"upgrade"})
 _PLAIN_VALUES = frozenset({b"keep-alive", b"close", b"upgrade"})
 _STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
+# End-to-end fields whose (first) value planning reads (end_to_end).
+_NOTED = frozenset({b"content-type", b"date"})
 # A guest may invent reasons: at most 256 lines, of reasons no longer than this (the longest
 # registered one, "Network Authentication Required", has 31 bytes), so at most ~80 KB. With
 # any length (up to the 64 KiB response head) the 256 lines and keys could hold 32 MiB.
@@ -36,6 +38,8 @@ class ResponsePlan:
     ends_at_head: bool  # the response to HEAD: no body follows its head
     length: int = -1  # the body's Content-Length when framing is LENGTH
     unrelayable: str = ""  # why the response cannot be relayed (answered 502), if it cannot
+    # The upstream sent no Date: relay adds one when it writes the head (with_date).
+    dateless: bool = False
 
 
 def status_line(status: int, reason: bytes) -> bytes:
@@ -59,8 +63,8 @@ def serialise_head(status: int, reason: bytes, fields: list[tuple[bytes, bytes]]
 def end_to_end(headers: Headers) -> tuple[list[tuple[bytes, bytes]], dict[bytes, bytes]]:
     """The fields to pass on, and the framing-relevant ones relay read on the way.
 
-    The second value maps ``content-length``, ``transfer-encoding`` and ``content-type`` to
-    their (first) values when present.
+    The second value maps ``content-length``, ``transfer-encoding``, ``content-type`` and
+    ``date`` to their (first) values when present.
     """
     out: list[tuple[bytes, bytes]] = []
     seen: dict[bytes, bytes] = {}
@@ -73,15 +77,15 @@ def end_to_end(headers: Headers) -> tuple[list[tuple[bytes, bytes]], dict[bytes,
             elif low not in seen:
                 seen[low] = value
             continue
-        if low == b"content-type" and low not in seen:
+        if low in _NOTED and low not in seen:
             seen[low] = value
         out.append((name, value))
     if connection is not None and any(v.lower() not in _PLAIN_VALUES for v in connection):
         named = connection_tokens(connection) - _PLAIN_OPTIONS
         if named:
             out = [pair for pair in out if pair[0].lower() not in named]
-            if b"content-type" in named:
-                seen.pop(b"content-type", None)
+            for noted in _NOTED & named:
+                seen.pop(noted, None)
     return out, seen
 
 
@@ -185,7 +189,16 @@ def _plan(key: PlanKey) -> ResponsePlan:
         ends_at_head=ends_at_head,
         # llhttp admitted the value: digits only, one value (a list of equal values included).
         length=int(length.split(b",")[0]) if framing is Framing.LENGTH and length else -1,
+        dateless=b"date" not in seen,
     )
+
+
+def with_date(head: bytes, date: bytes) -> bytes:
+    """``head`` with a Date field after its status line. RFC 9110 §6.6.1: a recipient with a
+    clock that forwards a response without Date MUST append one (nginx, Envoy and Go's
+    server, E2B's proxy, all do). Not in the remembered plan: the clock is the adapter's."""
+    cut = head.index(b"\r\n") + 2
+    return b"".join((head[:cut], b"Date: ", date, b"\r\n", head[cut:]))
 
 
 def only_chunked(headers: Headers) -> bool:

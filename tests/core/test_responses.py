@@ -179,3 +179,24 @@ def test_only_a_chunked_transfer_coding_is_relayed(
     assert (got.unrelayable == "") is relayable
     assert (got.framing is Framing.CHUNKED) is relayable
     assert plan(fields, method=b"HEAD").unrelayable == ""  # no body follows: nothing to decode
+
+
+@pytest.mark.parametrize(
+    ("headers", "dateless"),
+    [
+        ((CL,), True),
+        ((CL, (b"Date", b"Sun, 06 Nov 1994 08:49:37 GMT")), False),
+        ((CL, (b"date", b"x")), False),
+        # A Date the upstream's Connection names is not passed on: relay's goes instead.
+        ((CL, (b"Date", b"x"), (b"Connection", b"Date")), True),
+    ],
+)
+def test_a_response_without_a_date_is_planned_for_one(
+    headers: tuple[tuple[bytes, bytes], ...], dateless: bool
+) -> None:
+    # RFC 9110 §6.6.1: a recipient that forwards a response without Date appends one.
+    planned = plan(headers)
+    assert planned.dateless is dateless
+    dated = responses.with_date(planned.head, b"Mon, 07 Dec 2026 20:00:00 GMT")
+    assert dated.startswith(b"HTTP/1.1 200 OK\r\nDate: Mon, 07 Dec 2026 20:00:00 GMT\r\n")
+    assert dated.endswith(planned.head.partition(b"\r\n")[2])
