@@ -31,7 +31,7 @@ import httptools
 
 from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject, RequestHead
-from relay.flow import PAUSE_CLIENT_FULL
+from relay.flow import PAUSE_CLIENT_FULL, PAUSE_UPGRADE
 from relay.respond import http_date
 
 if TYPE_CHECKING:
@@ -229,8 +229,11 @@ class Closing:
         (relay ended the splice: revoked, draining, its upstream gone) whose frames flow at any
         time. Found by review: a WebSocket client still sending was reset at the close (its
         frames left unread), and the reset dropped what the kernel had not sent yet, relay's
-        1001 Close frame among it, as UpstreamConnection.close found for the upstream side."""
-        return self._mid_message or self.splice is not None
+        1001 Close frame among it, as UpstreamConnection.close found for the upstream side.
+        So too a refused handshake's: relay stops reading at the handshake (PAUSE_UPGRADE),
+        and a client that sent frames before its 101 was reset after the refusal (found by
+        review)."""
+        return self._mid_message or self.splice is not None or bool(self._paused & PAUSE_UPGRADE)
 
     def _body_may_follow(self) -> bool:
         """More of the request may come: its head is unfinished, or it announced a body. Over

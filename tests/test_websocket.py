@@ -219,3 +219,40 @@ async def test_an_upgrade_llhttp_takes_that_is_no_handshake_is_refused(tmp_path:
     assert answer.startswith(b"HTTP/1.1 400 "), answer
     assert b"Connection: close" in answer
     assert got == []  # nothing reached the app: no request left waiting for its body
+
+
+async def test_a_refused_handshake_whose_client_sent_on_is_closed_without_a_reset(
+    tmp_path: Path,
+) -> None:
+    # A client that sends frames before its 101 (RFC 6455 §4.1 says it must wait; some do)
+    # while the app refuses the handshake: relay, not reading it since the handshake, closed
+    # with those bytes unread, and the kernel reset the connection, which may destroy the
+    # refusal before the client reads it (RFC 9112 §9.6). A lingering close, as after any
+    # answer relay gives a client still sending (relay.closing), ends it with a FIN.
+    async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(0.3)
+        writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 4\r\n\r\nnope")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async with (
+        scripted_upstream(app) as port,
+        running_relay(tmp_path, [route("early", insecure=True)]) as relay,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        try:
+            writer.write(
+                f"GET /ws HTTP/1.1\r\nHost: {port}-early.{DOMAIN}\r\nConnection: Upgrade\r\n"
+                "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+            )
+            await asyncio.sleep(0.1)
+            writer.write(b"\x82\xfe\xff\xff\0\0\0\0" + b"x" * 0xFFFF)  # a frame, unasked
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 5)  # to the FIN; a reset raises
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 403 "), answer
+    assert answer.endswith(b"\r\n\r\nnope")
