@@ -117,6 +117,13 @@ def websocket_upgrade(
         return Reject(
             reason=Reason.BAD_UPGRADE, detail="A WebSocket handshake is a GET without body"
         )
+    if head.version != "1.1":
+        # RFC 6455 §4.2.1: "an HTTP/1.1 or higher GET request"; RFC 9110 §7.8: Upgrade in an
+        # HTTP/1.0 request MUST be ignored (an HTTP/1.0 intermediary may have passed on the
+        # client's Connection and Upgrade without knowing them, then read the frames as
+        # HTTP). Refused, as E2B's SDKs and browsers always send HTTP/1.1: forwarded as an
+        # HTTP/1.1 handshake, it turned the connection into a WebSocket.
+        return Reject(reason=Reason.BAD_UPGRADE, detail="A WebSocket handshake needs HTTP/1.1")
     return True
 
 

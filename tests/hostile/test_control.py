@@ -373,6 +373,24 @@ async def test_non_websocket_upgrades_are_refused(hostile: Hostile, headers: str
         assert await hostile.recorder.nothing_since(mark, settle=0.02)
 
 
+async def test_an_http_1_0_websocket_handshake_is_refused(hostile: Hostile) -> None:
+    """RFC 6455 §4.2.1: a handshake is "an HTTP/1.1 or higher GET request", and RFC 9110 §7.8:
+    a server MUST ignore Upgrade in an HTTP/1.0 request (an HTTP/1.0 intermediary may have
+    passed on a client's Connection and Upgrade without knowing them, and would read the
+    WebSocket's frames as HTTP). relay forwarded it upstream as an HTTP/1.1 handshake and
+    switched the connection to a WebSocket."""
+    for host in (hostile.envd, hostile.app):
+        raw = (
+            f"GET /ws HTTP/1.0\r\nHost: {host}\r\nX-Access-Token: {ENVD_TOKEN}\r\n{WS_HEADERS}\r\n"
+        ).encode()
+        mark = hostile.recorder.mark()
+        response, closed = await exchange(hostile.port, raw)
+        assert response.status == 400, (response.status, response.body)
+        assert body_json(response)["code"] == 400
+        assert closed
+        assert await hostile.recorder.nothing_since(mark, settle=0.05)
+
+
 @pytest.mark.parametrize(
     "target",
     [
