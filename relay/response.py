@@ -17,11 +17,13 @@ request path; ``bench/micro.py`` measures it.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Protocol, cast
 
 import httptools
 
 from relay.core import headers as header_rules
+from relay.core.answers import reason_phrase
 from relay.flow import FLOOD_PIECES, FLOOD_SLICE, FLOOD_SLICE_MAX, flood_ahead, slice_bounds
 from relay.heads import KNOWN_HEAD_BYTES, RESPONSES, KnownResponse, remember
 
@@ -38,6 +40,9 @@ RESPONSE_HEAD_LIMIT = 64 * 1024
 # stops at 5; this is generous for 100 Continue, 103 Early Hints and a long run of 102
 # Processing. Past it the response is malformed: 502, or a cut once the final one started.
 MAX_INTERIM = 64
+# What RFC 9112 §4 does not allow in a reason phrase: controls but HTAB, and DEL
+# (on_headers_complete).
+_BAD_REASON = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Events(Protocol):
@@ -555,6 +560,14 @@ class ResponseReader:
             owner.response_malformed(f"upstream: invalid status {status}")
             return
         headers = tuple(self._headers)
+        reason = self._reason
+        if reason and _BAD_REASON.search(reason) is not None:
+            # RFC 9112 §4: reason-phrase = 1*( HTAB / SP / VCHAR / obs-text ), and llhttp takes
+            # any byte but CR and LF. relay writes the status line itself, so a guest's NUL or
+            # terminal escape went on to the client (found by review), where the same byte in
+            # a field is a 502. A reason is only a hint that a client should ignore and an
+            # intermediary may overwrite (RFC 9112 §4): the status's own phrase stands in.
+            reason = reason_phrase(status)
         if 100 <= status < 200 and status != 101:
             # An interim response (RFC 9110 §15.2): the final one follows on the same parser.
             self.interim = True
@@ -565,14 +578,14 @@ class ResponseReader:
                 return
             # RFC 9112 §9.6: the close option ends the connection after the final response.
             self._closing = self._closing or not parser.should_keep_alive()
-            owner.response_interim(status, self._reason, headers)
+            owner.response_interim(status, reason, headers)
             return
         self.interim = False
         self._in_body = True
         keep = parser.should_keep_alive() and not self._closing
         if self._key is not None and keep:  # else llhttp ends closed, not at a message start
-            self._seen = KnownResponse(status, self._reason, headers, keep, 0)
-        self._body_left = owner.response_head(status, self._reason, headers, keep)
+            self._seen = KnownResponse(status, reason, headers, keep, 0)
+        self._body_left = owner.response_head(status, reason, headers, keep)
 
     def on_body(self, body: bytes) -> None:
         self.pieces += 1

@@ -128,6 +128,16 @@ SCRIPTS: dict[str, tuple[bytes, bool]] = {
         + chunk(b"\x00" + (1 << 20).to_bytes(4, "big") + b"x" * (300 * 1024)),
         True,
     ),
+    # Reason phrases with control characters (RFC 9112 §4 allows HTAB, SP, VCHAR, obs-text).
+    "reason-nul": (b"HTTP/1.1 200 O\x00K\r\nContent-Length: 2\r\n\r\nok", False),
+    "reason-esc": (b"HTTP/1.1 200 \x1b[2J\x1b[31mOK\r\nContent-Length: 2\r\n\r\nok", False),
+    "reason-del": (b"HTTP/1.1 404 Not\x7fFound\r\nContent-Length: 2\r\n\r\nok", False),
+    "reason-interim": (
+        b"HTTP/1.1 103 Early\x08Hints\r\nLink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        False,
+    ),
+    "reason-obs-text": (b"HTTP/1.1 200 Tr\xe8s\tbien\r\nContent-Length: 2\r\n\r\nok", False),
     "ok": (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
 }
 

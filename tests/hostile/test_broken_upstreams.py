@@ -147,6 +147,39 @@ async def test_bytes_after_a_complete_response_never_reach_a_client(
     await still_serves(hostile)
 
 
+@pytest.mark.parametrize(
+    ("script", "lines"),
+    [
+        ("reason-nul", [b"HTTP/1.1 200 OK"]),
+        ("reason-esc", [b"HTTP/1.1 200 OK"]),
+        ("reason-del", [b"HTTP/1.1 404 Not Found"]),
+        ("reason-interim", [b"HTTP/1.1 103 Early Hints", b"HTTP/1.1 200 OK"]),
+        ("reason-obs-text", [b"HTTP/1.1 200 Tr\xe8s\tbien"]),
+    ],
+)
+async def test_a_reason_phrase_with_control_characters_is_not_relayed(
+    hostile: Hostile, script: str, lines: list[bytes]
+) -> None:
+    """RFC 9112 §4: reason-phrase = 1*( HTAB / SP / VCHAR / obs-text ). relay writes the
+    status line itself: a guest's NUL, ESC (terminal control sequences in whatever logs the
+    line) or DEL was written on to the client, where the same byte in a field value is a 502.
+    A reason is only a hint (RFC 9112 §4: "a client SHOULD ignore the reason-phrase", and
+    intermediaries may overwrite it), so the status's own phrase stands in for it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", hostile.port)
+    try:
+        writer.write(request_bytes("GET", f"/raw/{script}", hostile.app))
+        raw = b""
+        while not raw.endswith(b"\r\n\r\nok"):
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data, raw
+            raw += data
+    finally:
+        writer.close()
+    heads = [part.split(b"\r\n")[0] for part in raw.split(b"\r\n\r\n")[:-1]]
+    assert heads == lines, raw
+    await still_serves(hostile)
+
+
 def decode(body: bytes) -> list[tuple[int, dict[str, object]]]:
     out, pos = [], 0
     while pos < len(body):
