@@ -52,6 +52,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from relay.config import Config, ConfigError, url_password
 from relay.core.feed import (
@@ -88,6 +89,10 @@ CONNECT_TIMEOUT_S = 3.0
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 5.0
 PARSE_SLICE = 5000  # hash entries parsed between yields to the event loop
+# The longest a snapshot's reply is waited for (RedisFeed._snapshot learns how long, doubling
+# after each that timed out): past it, a Redis that takes the connection and never answers
+# (a network black hole) holds a reconnect no longer than this after it heals.
+SNAPSHOT_TIMEOUT_CAP_S = 60.0
 
 
 # -- connection settings -----------------------------------------------------------------------
@@ -230,6 +235,7 @@ class RedisFeed:
         self._broken = False
         self._attempt = 0  # failures since following last worked: the backoff's exponent
         self._grace_s = 0.0  # the hang grace of the current connection (_hang_grace)
+        self._snapshot_timeout_s = 0.0  # learned by _snapshot; 0 until a first one ends
 
     def load(self) -> bool:
         """SIGHUP: resync from the hash at the next wake-up (within ``block_ms``)."""
@@ -247,7 +253,7 @@ class RedisFeed:
             self._grace_s = self._hang_grace()
             client = connect(self.target, socket_timeout=self.block_ms / 1000 + self._grace_s)
             try:
-                position = await self._snapshot(client)
+                position = await self._snapshot()
                 _honour_cancel()
                 if self._broken:
                     self._broken = False
@@ -299,13 +305,37 @@ class RedisFeed:
         self._last_ok = self.clock()
 
     # -- snapshot --------------------------------------------------------------------------
-    async def _snapshot(self, client: aioredis.Redis) -> Position:
-        """Install the whole table from the hash; the stream position it corresponds to."""
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.xinfo_stream(self.events_key)
-            pipe.hgetall(self.routes_key)
-            raw_info, raw_hash = await pipe.execute(raise_on_error=False)
+    async def _snapshot(self) -> Position:
+        """Install the whole table from the hash; the stream position it corresponds to.
+
+        Read on a connection of its own, whose read timeout is learned instead of the one that
+        tells a hung Redis (``_hang_grace``): the table comes as one reply, which redis-py reads
+        whole within its socket timeout, and a large one (a few hundred thousand routes on
+        loopback, fewer over a network or while the event loop is busy) took longer than those
+        1.2-6 s. It was asked for again and again, cut each time, and relay never became ready,
+        or after a reconnect stayed stale, every sandbox 503 (found by review). A snapshot that
+        times out doubles the next one's wait, up to SNAPSHOT_TIMEOUT_CAP_S; one that completes
+        sets it to twice what it took, at least the hang timeout. So a Redis that hangs during a
+        snapshot is noticed within that wait; the stale clock still runs from the last good
+        read (``_failed``), and following keeps the short timeout.
+        """
+        hang_timeout = self.block_ms / 1000 + self._grace_s
+        timeout = max(hang_timeout, self._snapshot_timeout_s)
+        client = connect(self.target, socket_timeout=timeout)
+        started = time.monotonic()
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.xinfo_stream(self.events_key)
+                pipe.hgetall(self.routes_key)
+                raw_info, raw_hash = await pipe.execute(raise_on_error=False)
+        except RedisTimeoutError:
+            self._snapshot_timeout_s = min(SNAPSHOT_TIMEOUT_CAP_S, 2 * timeout)
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await client.aclose()
         _honour_cancel()
+        self._snapshot_timeout_s = min(SNAPSHOT_TIMEOUT_CAP_S, 2 * (time.monotonic() - started))
         self._ok()
         info = _info_or_missing(raw_info)
         if isinstance(raw_hash, Exception):
@@ -343,7 +373,7 @@ class RedisFeed:
                 return
             if self._resync_requested:
                 self._resync_requested = False
-                position = await self._snapshot(client)
+                position = await self._snapshot()
             if self._unapplied and self.clock() - self._unapplied_resync >= UNAPPLIED_RESYNC_S:
                 # The hash changed with entries this relay cannot read: it is the truth.
                 self._unapplied = False
@@ -352,7 +382,7 @@ class RedisFeed:
                     "route feed: stream entries could not be applied; resyncing from %s",
                     self.routes_key,
                 )
-                position = await self._snapshot(client)
+                position = await self._snapshot()
             # Wake-up only: COUNT 1 keeps what this read transfers (and we ignore) small.
             await client.xread(
                 {self.events_key: format_stream_id(position.last_id)},
@@ -369,7 +399,7 @@ class RedisFeed:
             if read is None:
                 self.gaps += 1
                 log.warning("route feed: backlog over %d entries, resyncing", self.max_backlog)
-                position = await self._snapshot(client)
+                position = await self._snapshot()
                 continue
             folding, info = read
             if folding.allowed is not self.allowed:
@@ -377,7 +407,7 @@ class RedisFeed:
                 # were checked against the old ones, and the hash is read afresh instead
                 # (found by review: a put outside the narrowed list was installed after the
                 # reload had removed those outside).
-                position = await self._snapshot(client)
+                position = await self._snapshot()
                 continue
             moved = advance(position, info, count=folding.count, last=folding.last)
             if moved is None:
@@ -388,7 +418,7 @@ class RedisFeed:
                     format_stream_id(position.last_id),
                     self.routes_key,
                 )
-                position = await self._snapshot(client)
+                position = await self._snapshot()
                 continue
             if folding.count:
                 batch = folding.batch()

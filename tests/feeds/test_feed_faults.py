@@ -167,3 +167,61 @@ async def test_a_follow_that_always_fails_backs_off(
         assert feed.snapshots <= 7  # 1 + at most 6 retries whose delays add up to >= 3.15 s
     finally:
         await relay.stop()
+
+
+class ThrottledProxy:
+    """A TCP proxy to Redis whose replies arrive at ``rate`` bytes per second: a table that takes
+    longer to arrive than the read timeout a hang is noticed by (a large fleet, a slow link)."""
+
+    def __init__(self, upstream_port: int, rate: int) -> None:
+        self.upstream_port = upstream_port
+        self.rate = rate
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, slow: bool) -> None:
+            step = self.rate // 50
+            try:
+                while data := await src.read(step if slow else 65536):
+                    dst.write(data)
+                    await dst.drain()
+                    if slow:
+                        await asyncio.sleep(0.02)
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+
+async def test_a_table_slower_to_arrive_than_a_hang_is_loaded(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
+) -> None:
+    """A snapshot whose reply takes ~2.5 s to arrive (10,000 routes, ~1 MB, at 400 kB/s here;
+    a few hundred thousand routes on loopback, fewer over a network or from a busy relay) while
+    a read that takes longer than block + half of max_stale_s (1.2 s here) is taken for a hung
+    Redis: the whole table was asked for again and again, each time cut at 1.2 s, and the relay
+    never became ready (after a reconnect: stale for good, every sandbox 503)."""
+    await load_hash(writer, [route(f"big{i:06d}") for i in range(10_000)])
+    proxy = ThrottledProxy(redis_proc.port, rate=400_000)
+    proxy_port = await proxy.start()
+    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
+    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
+    try:
+        await wait_for(lambda: relay.feed_state.ready, 15, "the first table")
+        assert len(relay.table) == 10_000
+    finally:
+        await relay.stop()
+        await proxy.stop()
