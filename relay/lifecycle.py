@@ -40,6 +40,8 @@ WORKER_ENV = "RELAY_WORKER"  # the worker's index, set by the supervisor
 # (found by review: one Ctrl-C ended every stream at once).
 WORKER_FORCE_SIGNAL = signal.SIGUSR1
 RUN_DIR_ENV = "RELAY_RUN_DIR"  # the supervisor's private directory
+SUPERVISOR_ENV = "RELAY_SUPERVISOR"  # the supervisor's pid
+SUPERVISOR_CHECK_S = 1.0
 SNAPSHOT_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 1.0
 
@@ -48,13 +50,15 @@ STATUS_INTERVAL_S = 1.0
 class WorkerEnv:
     index: int
     run_dir: Path
+    supervisor: int | None = None  # its pid; None when not told (then not watched)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerEnv | None:
         index, run_dir = env.get(WORKER_ENV, ""), env.get(RUN_DIR_ENV, "")
         if not index.isdigit() or not run_dir:
             return None
-        return cls(int(index), Path(run_dir))
+        supervisor = env.get(SUPERVISOR_ENV, "")
+        return cls(int(index), Path(run_dir), int(supervisor) if supervisor.isdigit() else None)
 
     @property
     def admin_socket(self) -> Path:
@@ -123,6 +127,8 @@ class Lifecycle:
             self._spawn(self._watchdog(self.notifier.watchdog_s))
         if self.worker is not None:
             self._spawn(self._snapshots(self.worker.metrics_dir))
+            if self.worker.supervisor is not None:
+                self._spawn(self._watch_supervisor(self.worker.supervisor))
         if self.worker is not None:
             _save(self.worker.run_dir, relay)
         try:
@@ -230,6 +236,22 @@ class Lifecycle:
         while True:
             self.notifier.watchdog()
             await asyncio.sleep(interval_s)
+
+    async def _watch_supervisor(self, pid: int) -> None:
+        """Drain as on SIGTERM once the supervisor is gone (its child no more: reparented).
+
+        A supervisor killed outright (SIGKILL, the OOM killer, a crash) left its workers
+        serving as orphans: the data port held through SO_REUSEPORT with that start's
+        configuration, no admin port, no restarts, no signal forwarded, and a relay started
+        again on the port shared its connections with them for good (found by review).
+        gunicorn's workers watch their parent the same way. A poll, not PR_SET_PDEATHSIG,
+        which a worker sets only after its start, when the supervisor may be gone already."""
+        while True:
+            await asyncio.sleep(SUPERVISOR_CHECK_S)
+            if os.getppid() != pid:
+                break
+        log.error("the supervisor (pid %d) is gone: draining", pid)
+        self.on_stop_signal()
 
     async def _snapshots(self, directory: Path) -> None:
         while True:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from relay.addresses import split_address
 from relay.config import Config, ConfigError
-from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV
+from relay.lifecycle import RUN_DIR_ENV, SUPERVISOR_ENV, WORKER_ENV
 from relay.preflight import host_checks
 
 BACKOFF_FIRST_S = 0.2
@@ -51,7 +51,7 @@ def startup_exit_code(returncode: int | None) -> int:
 
 
 def worker_env(
-    base: Mapping[str, str], index: int, run_dir: Path, watchdog_s: float
+    base: Mapping[str, str], index: int, run_dir: Path, watchdog_s: float, supervisor_pid: int
 ) -> dict[str, str]:
     env = {
         k: v
@@ -60,6 +60,7 @@ def worker_env(
     }
     env[WORKER_ENV] = str(index)
     env[RUN_DIR_ENV] = str(run_dir)
+    env[SUPERVISOR_ENV] = str(supervisor_pid)  # a worker drains once it is gone (lifecycle)
     env["NOTIFY_SOCKET"] = str(run_dir / "notify.sock")
     env["WATCHDOG_USEC"] = str(int(watchdog_s * 1_000_000))
     return env

@@ -196,7 +196,7 @@ class Supervisor:
     # -- workers ----------------------------------------------------------------------------
     async def _start_worker(self, worker: Worker) -> None:
         assert self.config.source is not None
-        env = worker_env(os.environ, worker.index, self.run_dir, WORKER_WATCHDOG_S / 2)
+        env = worker_env(os.environ, worker.index, self.run_dir, WORKER_WATCHDOG_S / 2, os.getpid())
         worker.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

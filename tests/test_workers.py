@@ -72,11 +72,12 @@ def test_startup_exit_code() -> None:
 
 def test_worker_env(tmp_path: Path) -> None:
     base = {"PATH": "/bin", "NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_PID": "1"}
-    env = worker_env(base, 3, tmp_path, 15.0)
+    env = worker_env(base, 3, tmp_path, 15.0, 4321)
     assert env["NOTIFY_SOCKET"] == str(tmp_path / "notify.sock")  # the supervisor's, not systemd's
     assert env["WATCHDOG_USEC"] == "15000000"
     assert "WATCHDOG_PID" not in env
     assert env["RELAY_WORKER"] == "3"
+    assert env["RELAY_SUPERVISOR"] == "4321"  # watched by the worker (lifecycle)
     assert env["PATH"] == "/bin"
 
 
@@ -811,3 +812,43 @@ async def test_a_second_sigterm_after_a_workers_drain_does_not_fail_the_stop(
         relay.stop()
     assert "died during the drain" not in relay.output()
     assert code == 0, relay.output()
+
+
+async def test_workers_whose_supervisor_died_drain_and_exit(tmp_path: Path) -> None:
+    """A supervisor killed outright (SIGKILL, the OOM killer, a crash) left its workers running
+    as orphans: they kept the data port (SO_REUSEPORT) with the configuration of that start,
+    no admin port, no restarts, no signals forwarded, and a new relay started on the same
+    port shared its connections with them for good. A worker now notices its supervisor is
+    gone (within a second) and drains as on SIGTERM: an exchange in flight is answered, and
+    the worker exits."""
+    upstream = await slow_app(1.5)
+    relay = RelayProcess(
+        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 10}}
+    )
+    relay.start(timeout=20)
+    try:
+        assert relay.proc is not None
+        pids = await _ready_pids(relay, 10)
+        assert pids
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        host = f"{upstream.port}-box.{DOMAIN}"
+        writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await asyncio.sleep(0.3)
+        relay.proc.kill()
+        relay.proc.wait(5)
+        answer = await asyncio.wait_for(reader.read(), 10)  # the drain lets it finish
+        writer.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not any(_alive(pid) for pid in pids):
+                break
+            await asyncio.sleep(0.1)
+        orphans = [pid for pid in pids if _alive(pid)]
+        for pid in orphans:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        relay.stop()
+        await upstream.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert not orphans, relay.output()
+    assert "the supervisor (pid" in relay.output()
