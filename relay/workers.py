@@ -137,6 +137,7 @@ class Supervisor:
         if self.notifier.watchdog_s:
             self._spawn(self._watchdog(self.notifier.watchdog_s))
         self.notifier.status(f"starting {len(self.workers)} workers")
+        claim_ports(self.config)
         for worker in self.workers:
             await self._start_worker(worker)
         self._spawn(self._monitor())
@@ -441,6 +442,29 @@ class Supervisor:
 
     def live_pids(self) -> set[int]:
         return {w.pid for w in self.workers if w.pid is not None}
+
+
+def claim_ports(config: Config) -> None:
+    """Each data address binds for a listener that does not share its port, and is let go.
+
+    Workers bind with SO_REUSEPORT, which the kernel grants to every socket of the same user
+    that asks for it: a port another relay's workers listen on was joined silently, both
+    relays serving it with their own configuration and route table, where a single relay
+    stops with "Address already in use" (found by review). Bound here without it (SO_REUSEADDR
+    as the workers have, which lets no second listener in), the port must be free. Not
+    listened on, so no client connects to a socket that closes at once."""
+    for address in config.listen.addresses:
+        parsed = split_address(address)
+        assert parsed is not None  # validated with the config
+        host, port = parsed
+        with binding("listen.address", host, port):
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            for family, kind, proto, _name, sockaddr in infos:
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:  # as asyncio binds it: v6 only
+                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    probe.bind(sockaddr)
 
 
 def supervise(config: Config, log_level: str) -> int:

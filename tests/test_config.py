@@ -299,3 +299,30 @@ def test_an_empty_relay_log_level_is_the_default(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("RELAY_LOG_LEVEL", "")
     args = _parser().parse_args(["serve", "--config", "x.toml"])
     assert log_level(args.log_level) == "INFO"
+
+
+def test_workers_do_not_share_a_port_another_relay_listens_on(tmp_path: Path) -> None:
+    """A port another relay's workers listen on (SO_REUSEPORT, same user) was joined silently
+    by a second relay with workers: both served it, the kernel splitting new connections
+    between two configurations and route tables, where a single relay stops with "Address
+    already in use" (exit 1). Seen by hand: two supervisors on one data port, four listeners."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a worker binds
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        (tmp_path / "routes.json").write_text('{"routes": []}')
+        config = tmp_path / "relay.toml"
+        config.write_text(
+            f'[listen]\naddress = "127.0.0.1:{busy}"\n'
+            f'[admin]\naddress = "127.0.0.1:{free_port()}"\n'
+            "[process]\nworkers = 2\n"
+        )
+        try:
+            result = serve_until_exit(config, timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("relay's workers joined the port another relay listens on")
+    assert result.returncode == 1, result.stderr
+    taken = f"cannot listen on listen.address 127.0.0.1:{busy}: Address already in use"
+    assert f"relay: cannot start: {taken}" in result.stderr.splitlines()
+    assert "Traceback" not in result.stderr
