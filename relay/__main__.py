@@ -221,6 +221,20 @@ def sign_url(
 
 
 def _sign_url(args: argparse.Namespace) -> int:
+    # The SDK joins "/files" onto its envd URL, always http(s)://host: urljoin took a bare
+    # host for a path and the URL printed had no host ("/files?..."), exit 0 (found by review).
+    try:
+        parts = urllib.parse.urlsplit(args.url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # "http://[::1": an IPv6 literal not closed
+        usable = False
+    if not usable:
+        print(
+            f"relay: --url must be http(s)://host[:port], e.g. "
+            f"https://49983-<id>.<domain>; got {args.url!r}",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
     if args.token_file:
         # One line, not a traceback, and never an empty token (as for --token-env).
         try:

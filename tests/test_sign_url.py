@@ -101,3 +101,28 @@ def test_an_unusable_token_file_is_refused_in_one_line(
     assert captured.out == ""
     assert captured.err.startswith("relay: "), captured.err
     assert captured.err.count("\n") == 1, captured.err
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "49983-x.sandbox.localhost:8080",
+        "",
+        "ftp://49983-x.sandbox.localhost",
+        "http://",
+        "http://[::1",
+    ],
+)
+def test_a_url_without_scheme_and_host_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    """--url without http(s)://host printed a URL with no host at all ("/files?path=..."; a
+    bare host reads as a path to urljoin) and exited 0: the URL an operator checks with is
+    not the SDK's, which always joins onto its http(s) envd URL."""
+    token_file = tmp_path / "token"
+    token_file.write_text("tok")
+    args = ["sign-url", "--url", url, "--path", "/a", "--token-file", str(token_file)]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("relay: --url"), captured.err
