@@ -242,7 +242,12 @@ def load(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
     except RecursionError:
         raise ConfigError(f"{p}: invalid TOML: nested too deeply") from None
-    return dataclasses.replace(parse(data, p.resolve().parent), source=p.resolve())
+    # Absolute, its links left to each open: a folder swapped by a link (a Kubernetes
+    # ConfigMap's "..data", a release symlink) is followed by SIGHUP and by the routes file's
+    # polls. Resolved here, relay kept reading the folder of its start, deleted by the
+    # update: every reload failed and the routes of that start stayed (found by review).
+    p = p.absolute()
+    return dataclasses.replace(parse(data, p.parent), source=p)
 
 
 def _check(condition: bool, key: str, message: str) -> None:

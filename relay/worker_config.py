@@ -67,7 +67,7 @@ def load_saved(run_dir: Path, config_file: str) -> Saved | None:
         return None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    source = Path(config_file).resolve()
+    source = Path(config_file).absolute()  # as relay.config.load: links followed at each open
     config = dataclasses.replace(parse(data["config"], source.parent), source=source)
     tls_files = None
     if len(pem) == 2:

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import shutil
 import signal
 import ssl
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,8 @@ from relay.reload import RELOADABLE, flatten, plan, reload_settings
 from relay.runtime import Relay
 from tests.support.certs import Issued, issue
 from tests.support.harness import DOMAIN, config_data, relay_process, route, to_toml, write_routes
-from tests.support.ops import wait_until
+from tests.support.ops import value, wait_until
+from tests.support.ports import free_port
 from tests.support.rawhttp import Connection, request, request_bytes
 
 
@@ -384,3 +390,62 @@ async def test_reload_without_a_file_reloads_routes_and_tls_only(tmp_path: Path)
         assert relay.observer.reloads["ok"] == 1
     finally:
         await relay.stop()
+
+
+def test_a_config_folder_swapped_by_a_symlink_is_followed(tmp_path: Path) -> None:
+    """A Kubernetes ConfigMap volume (and Nix, Capistrano-style releases): relay.toml and
+    routes.json are links through ``..data``, which an update points at a new folder before
+    deleting the old one. relay resolved the config file's links at start and kept reading
+    the old folder: the routes file it polled was gone (the previous table, with the route
+    the update removed, kept serving) and every SIGHUP failed to read the config."""
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    port, admin = free_port(), free_port()
+    for version, routes in (("..v1", [route("box", insecure=True)]), ("..v2", [])):
+        folder = mount / version
+        folder.mkdir()
+        data = config_data(tmp_path, {"routes": {"file": "routes.json"}}, port=port)
+        data["admin"]["address"] = f"127.0.0.1:{admin}"
+        (folder / "relay.toml").write_text(to_toml(data))
+        write_routes(folder / "routes.json", routes)
+    (mount / "..data").symlink_to("..v1")
+    for name in ("relay.toml", "routes.json"):
+        (mount / name).symlink_to(f"..data/{name}")
+    log = tmp_path / "relay.stderr"
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relay", "serve", "--config", str(mount / "relay.toml")],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        _until_routes(admin, 1, 10, log)
+        (mount / "..data_tmp").symlink_to("..v2")  # as the kubelet updates it
+        os.replace(mount / "..data_tmp", mount / "..data")
+        shutil.rmtree(mount / "..v1")
+        _until_routes(admin, 0, 3, log)  # the removed route is gone (revoked)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        text = _admin_get(admin, "/metrics").decode()
+        assert value(text, "relay_reloads_total", result="ok") == 1
+        assert value(text, "relay_reloads_total", result="error") == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "cannot read" not in log.read_text()
+
+
+def _admin_get(port: int, path: str) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as answer:
+        body: bytes = answer.read()
+        return body
+
+
+def _until_routes(port: int, count: int, within: float, log: Path) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        with contextlib.suppress(OSError):  # still starting
+            if json.loads(_admin_get(port, "/routes"))["count"] == count:
+                return
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
