@@ -34,6 +34,7 @@ log = logging.getLogger("relay")
 
 EXIT_CONFIG = 2
 SECRET_KEYS = frozenset({"redis_url"})
+EXIT_SIGPIPE = 128 + 13  # as a shell reports a process killed by SIGPIPE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,12 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"serve": _serve, "check-config": _check_config, "sign-url": _sign_url}
     handler["routes"] = routes_cli.run
     try:
-        return handler[args.command](args)
+        code = handler[args.command](args)
+        if args.command != "serve":
+            sys.stdout.flush()  # a short output is written here, not at exit: see below
+        return code
     except ConfigError as exc:
         # One write per line: workers share the supervisor's stderr, and print() writes the
         # text and its newline separately, so two workers' lines could interleave.
         sys.stderr.write(f"relay: config error: {exc}\n")
         return EXIT_CONFIG
+    except BrokenPipeError:
+        # ``relay check-config | head -3``: the reader left. Quiet, with the status of a Unix
+        # tool killed by SIGPIPE (Python ignores the signal, so the write raised instead;
+        # found by review: a traceback and exit 1). stdout goes to /dev/null so that the
+        # interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_SIGPIPE
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -326,3 +326,26 @@ def test_workers_do_not_share_a_port_another_relay_listens_on(tmp_path: Path) ->
     taken = f"cannot listen on listen.address 127.0.0.1:{busy}: Address already in use"
     assert f"relay: cannot start: {taken}" in result.stderr.splitlines()
     assert "Traceback" not in result.stderr
+
+
+def test_output_into_a_pipe_nobody_reads_ends_quietly() -> None:
+    """``relay check-config | head -3`` (or ``routes list``, ``sign-url``): the reader left
+    before relay wrote. A traceback and exit 1 (found by review); now no message and the exit
+    status of a Unix tool killed by SIGPIPE, 128 + 13, as cat or grep give."""
+    config = str(ROOT / "config" / "relay.toml")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will ever read: every write gets EPIPE
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "relay", "check-config", "--offline", "--config", config],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == ""
+    assert done.returncode == 141
