@@ -24,7 +24,8 @@ from relay.upstreams import PoolKey, UpstreamConnection
 from tests.support.wired import Recorder, make_wired
 from tests.test_heads import HOST, REQUEST, serve
 
-ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+# With a Date (relay adds one to an answer without, RFC 9110 §6.6.1), as wired masks it.
+ANSWER = b"HTTP/1.1 200 OK\r\nDate: <now>\r\nContent-Length: 2\r\n\r\nok"
 
 
 @pytest.fixture(autouse=True)
