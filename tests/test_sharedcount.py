@@ -1,0 +1,117 @@
+"""relay.sharedcount: the workers' shared per-sandbox in-flight counts, without sockets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relay.sharedcount import CELL, SLOTS, SharedCounts, create, slots, zero_column
+
+
+def test_slots_are_the_same_in_every_process() -> None:
+    """Python's hash() of a str differs per process (PYTHONHASHSEED): workers must agree."""
+    code = "from relay.sharedcount import slots; print(slots('sbx-0123456789abcdef'))"
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=dict(os.environ, PYTHONHASHSEED=seed),
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert seen == {str(slots("sbx-0123456789abcdef"))}
+    assert all(0 <= s < SLOTS for s in slots("sbx-0123456789abcdef"))
+
+
+def _first_slot_twins() -> tuple[str, str]:
+    """Two ids of the same length sharing their first slot (a birthday search, ~300 ids)."""
+    seen: dict[int, str] = {}
+    for n in range(100_000):
+        sandbox_id = f"sbx{n:08d}"
+        first = slots(sandbox_id)[0]
+        if first in seen:
+            return seen[first], sandbox_id
+        seen[first] = sandbox_id
+    raise AssertionError("no collision")
+
+
+def test_the_two_slots_are_independent() -> None:
+    # With a linear hash (zlib.crc32 under two seeds) same-length ids that share one slot
+    # share the other too, and count-min gains nothing.
+    a, b = _first_slot_twins()
+    assert slots(a)[1] != slots(b)[1]
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    return create(tmp_path, 3)
+
+
+def test_the_table_holds_a_column_per_worker(table: Path) -> None:
+    assert table.stat().st_size == 3 * SLOTS * CELL
+    assert table.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError, match="no column 3"):
+        SharedCounts(table, 3)
+
+
+def test_each_worker_sees_the_others_counts(table: Path) -> None:
+    w0, w1, w2 = (SharedCounts(table, i) for i in range(3))
+    w0.add("box")
+    w0.add("box")
+    w1.add("box")
+    assert (w0.others("box"), w1.others("box"), w2.others("box")) == (1, 2, 3)
+    assert w0.own("box") == 2
+    assert w2.others("other") == 0
+    w0.take("box")
+    assert w2.others("box") == 2
+    for worker in (w0, w1, w2):
+        worker.close()
+
+
+def test_a_shared_slot_does_not_count_with_count_min(table: Path) -> None:
+    a, b = _first_slot_twins()
+    w0, w1 = SharedCounts(table, 0), SharedCounts(table, 1)
+    w0.add(a)
+    assert w1.others(a) == 1
+    assert w1.others(b) == 0  # their first slots hold 1, their second slots differ
+    w0.close()
+    w1.close()
+
+
+def test_a_count_never_goes_below_zero(table: Path) -> None:
+    w0, w1 = SharedCounts(table, 0), SharedCounts(table, 1)
+    w0.take("box")  # a uint32 would wrap to 4 billion: every request refused for good
+    assert w1.others("box") == 0
+    w0.add("box")
+    assert w1.others("box") == 1
+    w0.close()
+    w1.close()
+
+
+def test_a_dead_workers_column_is_zeroed(table: Path) -> None:
+    w0, w1 = SharedCounts(table, 0), SharedCounts(table, 1)
+    w0.add("box")
+    w1.add("box")
+    zero_column(table, 0)  # the supervisor, once worker 0 exited (killed by SIGKILL)
+    assert w1.others("box") == 0
+    assert w1.own("box") == 1  # its neighbour's column untouched
+    w0.close()
+    w1.close()
+
+
+def test_a_starting_worker_zeroes_its_own_column(table: Path) -> None:
+    before = SharedCounts(table, 0)
+    before.add("box")
+    other = SharedCounts(table, 1)
+    assert other.others("box") == 1
+    before.close()
+    SharedCounts(table, 0).close()  # its replacement, with what the dead one left
+    assert other.others("box") == 0
+    assert other.own("box") == 0
+    other.close()
