@@ -228,13 +228,16 @@ class Respond:
     def _finish(self) -> None:
         if self.state is DONE:
             return
+        relay = self.client.relay
+        # No longer in flight before the client can see the end: with workers, its next
+        # request may reach another worker at once, which reads this one's count from the
+        # shared table (relay.sharedcount) and answered 429 while it was still there.
+        relay.unregister(self)
         if self._out:
             self.flush()  # before the next pipelined exchange writes anything
         reader = self._drop_reader()
         upgraded = self.state is UPGRADED
         self.state = DONE
-        relay = self.client.relay
-        relay.unregister(self)
         conn, self.upstream = self.upstream, None
         if conn is not None and not upgraded:
             if conn.write_paused:
@@ -364,10 +367,12 @@ class Respond:
         go, so it is read and dropped as after relay's own answers (within DISCARD_LIMIT and
         ``listen.header_timeout_s``) and the client connection is kept, as nginx discards it;
         the upstream connection, which has part of a body, is closed."""
+        # No longer in flight to its sandbox (max_connections), before the client sees the
+        # response's end (see _finish).
+        self.client.relay.unregister(self)
         self.flush()
         self.state = ANSWERED
         self._let_go_of_upstream()
-        self.client.relay.unregister(self)  # no longer in flight to its sandbox (max_connections)
         self.client.discarding()
 
     def _let_go_of_upstream(self) -> None:

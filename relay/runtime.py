@@ -34,6 +34,7 @@ from relay.observe import Observer
 from relay.outbox import Outbox
 from relay.reload import reload_settings
 from relay.server import ClientConnection
+from relay.sharedcount import SharedCounts
 from relay.startup import binding, check_parsers
 from relay.timers import Timers
 from relay.tls import ReloadableContext
@@ -80,6 +81,24 @@ class Inflight(Mapping[str, int]):
         return len(self._live)
 
 
+class SharedInflight(Inflight):
+    """A worker's count for ``decide``: its own exchanges (exact, as in a single relay) plus
+    the other workers' (``relay.sharedcount``: an estimate that is never too low)."""
+
+    __slots__ = ("_shared",)
+
+    def __init__(self, live: dict[str, set[Live]], shared: SharedCounts) -> None:
+        super().__init__(live)
+        self._shared = shared
+
+    def __getitem__(self, sandbox_id: str) -> int:
+        return self.get(sandbox_id)
+
+    def get(self, sandbox_id: str, default: int = 0) -> int:  # type: ignore[override]
+        # decide() asks only about a sandbox whose route has a limit.
+        return super().get(sandbox_id, default) + self._shared.others(sandbox_id)
+
+
 class Relay:
     def __init__(self, config: Config, *, initial_tls: tuple[Path, Path] | None = None) -> None:
         self.config = config
@@ -106,7 +125,12 @@ class Relay:
         self.connections: set[ClientConnection] = set()
         self.handshakes: set[TlsAccept] = set()  # TLS connections still in their handshake
         self.live: dict[str, set[Live]] = {}
-        self.inflight = Inflight(self.live)
+        self.inflight: Inflight = Inflight(self.live)
+        # process.workers > 1: the count across workers (share_counts), and the live items
+        # this worker added to it, with the sandbox each was counted for: unregister takes
+        # away exactly what register added.
+        self.shared: SharedCounts | None = None
+        self._counted: dict[Live, str] = {}
         self.draining = False
         self.stopped = False  # stop() ran: a connection accepted just before is turned away
         self.management_address: tuple[str, int] = ("", 0)
@@ -186,6 +210,11 @@ class Relay:
         self.connections.discard(conn)
 
     # -- live exchanges and revocation ----------------------------------------------------------
+    def share_counts(self, shared: SharedCounts) -> None:
+        """A worker: per-sandbox ``max_connections`` counts every worker's exchanges."""
+        self.shared = shared
+        self.inflight = SharedInflight(self.live, shared)
+
     def register(self, item: Live) -> None:
         sandbox_id = _sandbox_of(item)
         if sandbox_id is None:
@@ -195,6 +224,14 @@ class Relay:
         if items is None:
             items = self.live[sandbox_id] = set()
         items.add(item)
+        if self.shared is not None:  # a worker (a single relay pays this test alone)
+            # Only exchanges to a sandbox with a limit touch the shared table: one to a route
+            # without one costs the tests, no write.
+            decision = item.decision
+            route = decision.route if isinstance(decision, Forward) else None
+            if route is not None and route.max_connections and item not in self._counted:
+                self._counted[item] = sandbox_id
+                self.shared.add(sandbox_id)
 
     def unregister(self, item: Live) -> None:
         sandbox_id = _sandbox_of(item)
@@ -206,6 +243,10 @@ class Relay:
         items.discard(item)
         if not items:
             del self.live[sandbox_id]
+        if self._counted:
+            counted = self._counted.pop(item, None)
+            if counted is not None and self.shared is not None:
+                self.shared.take(counted)
 
     def revoke(self, sandbox_ids: frozenset[str]) -> int:
         # Two phases: every revoked sandbox's pool is purged and its live set taken before any

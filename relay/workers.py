@@ -18,6 +18,9 @@ The supervisor owns what there must be one of:
   directory) and is 200 only when all are; ``/routes`` is one worker's (all follow the same
   feed); ``/metrics`` merges the workers' snapshot files (``relay.metrics``) and adds the
   supervisor's own ``process_*``/``python_*`` families (handlers in :mod:`relay.admin`).
+- **the shared in-flight table** (``relay.sharedcount``): created before the workers, so that
+  a route's ``max_connections`` counts every worker's exchanges; a dead worker's column is
+  zeroed before its restart.
 - **restarts**: a worker that exits while relay is not stopping is restarted after
   :func:`relay.supervision.restart_delay` (exponential backoff, reset once a worker has run
   for ``STABLE_S``). A worker that dies before all workers were first ready stops the whole
@@ -44,7 +47,7 @@ from typing import Any
 
 from aiohttp import web
 
-from relay import admin, metrics, systemd
+from relay import admin, metrics, sharedcount, systemd
 from relay.addresses import split_address
 from relay.config import Config, load
 from relay.lifecycle import WORKER_FORCE_SIGNAL
@@ -100,6 +103,7 @@ class Supervisor:
         self.notifier = Notifier()
         self.workers = [Worker(i) for i in range(config.process.workers)]
         self.run_dir = Path()
+        self.inflight: Path | None = None  # the workers' in-flight counts (relay.sharedcount)
         self.draining = False
         self.stop = asyncio.Event()
         self.all_ready = asyncio.Event()
@@ -118,6 +122,7 @@ class Supervisor:
         self.run_dir = Path(tempfile.mkdtemp(prefix="relay-", dir=base))
         (self.run_dir / "metrics").mkdir()
         try:
+            self.inflight = sharedcount.create(self.run_dir, len(self.workers))
             return await self._run()
         finally:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -222,6 +227,14 @@ class Supervisor:
             metrics.retire(self.run_dir / "metrics", proc.pid)
         except OSError as exc:  # a full or read-only run directory: its counts are lost
             log.warning("cannot keep the metrics of worker %d: %s", worker.index, exc)
+        try:
+            if self.inflight is not None:
+                # What it had in flight ended with it (a SIGKILL ran no unregister): its siblings
+                # must not keep counting it against max_connections. Its replacement zeroes
+                # the column too, when it starts.
+                sharedcount.zero_column(self.inflight, worker.index)
+        except OSError as exc:
+            log.warning("cannot clear the in-flight counts of worker %d: %s", worker.index, exc)
         ran_for = time.monotonic() - worker.started_at
         worker.ready = False
         # A SIGHUP it had not applied: its replacement gets one once ready (it starts with

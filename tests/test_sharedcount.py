@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from relay.sharedcount import CELL, SLOTS, SharedCounts, create, slots, zero_column
+from tests.support.harness import DOMAIN, route, running_relay
+from tests.support.rawhttp import request
+
+
+def app_host(port: int | None, sandbox_id: str) -> str:
+    return f"{port}-{sandbox_id}.{DOMAIN}"
 
 
 def test_slots_are_the_same_in_every_process() -> None:
@@ -115,3 +125,66 @@ def test_a_starting_worker_zeroes_its_own_column(table: Path) -> None:
     assert other.others("box") == 0
     assert other.own("box") == 0
     other.close()
+
+
+# -- a relay (one worker's share, in this process) ----------------------------------------------
+async def _held_app() -> tuple[TestServer, list[asyncio.Event]]:
+    """An app whose requests each wait for their own release."""
+    waiting: list[asyncio.Event] = []
+
+    async def held(_request: web.Request) -> web.Response:
+        release = asyncio.Event()
+        waiting.append(release)
+        await release.wait()
+        return web.Response(text="done")
+
+    app = web.Application()
+    app.router.add_get("/", held)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server, waiting
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    for _ in range(250):  # bounded: 5 s
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("not reached")
+
+
+async def test_a_relay_counts_only_limited_exchanges_and_takes_back_what_it_added(
+    tmp_path: Path,
+) -> None:
+    table = create(tmp_path, 2)
+    sibling = SharedCounts(table, 1)  # what the other worker reads
+    upstream, waiting = await _held_app()
+    routes = [route("free", insecure=True), route("lim", insecure=True, max_connections=2)]
+    try:
+        async with running_relay(tmp_path, routes) as under_test:
+            under_test.relay.share_counts(SharedCounts(table, 0))
+            port = under_test.port
+            free = asyncio.ensure_future(request(port, "GET", "/", app_host(upstream.port, "free")))
+            await _until(lambda: len(waiting) == 1)
+            assert sibling.others("free") == 0  # no limit: the shared table is not touched
+            limited = asyncio.ensure_future(
+                request(port, "GET", "/", app_host(upstream.port, "lim"))
+            )
+            await _until(lambda: len(waiting) == 2)
+            assert sibling.others("lim") == 1
+            # The sibling's exchange counts here: 1 + 1 reaches the limit of 2.
+            sibling.add("lim")
+            refused = await request(port, "GET", "/", app_host(upstream.port, "lim"))
+            assert refused.status == 429
+            sibling.take("lim")
+            # The limit is lifted while the exchange is in flight (no revocation, SPEC §3):
+            # what it added still goes when it ends.
+            under_test.set_routes([route("free", insecure=True), route("lim", insecure=True)])
+            for release in waiting:
+                release.set()
+            assert (await free).status == 200
+            assert (await limited).status == 200
+            assert sibling.others("lim") == 0
+    finally:
+        await upstream.close()
+        sibling.close()

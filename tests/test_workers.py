@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -848,3 +849,143 @@ async def test_workers_whose_supervisor_died_drain_and_exit(tmp_path: Path) -> N
     assert answer.startswith(b"HTTP/1.1 200"), answer
     assert not orphans, relay.output()
     assert "the supervisor (pid" in relay.output()
+
+
+# -- per-sandbox max_connections across workers (relay.sharedcount) ----------------------------
+class _Held:
+    """An app whose requests wait until released: exchanges that stay in flight."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.release = asyncio.Event()
+        self.server: TestServer | None = None
+
+    async def start(self) -> int:
+        async def held(_request: web.Request) -> web.Response:
+            self.arrived += 1
+            await self.release.wait()
+            return web.Response(text="done")
+
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", held)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        assert self.server.port is not None
+        return self.server.port
+
+    async def close(self) -> None:
+        self.release.set()
+        if self.server is not None:
+            await self.server.close()
+
+
+def _limited_relay(tmp_path: Path) -> RelayProcess:
+    run = tmp_path / "run"  # the supervisor's run directory goes under it: workers' sockets
+    run.mkdir()
+    return RelayProcess(
+        tmp_path,
+        [route("limited", insecure=True, max_connections=1)],
+        {"process": {"workers": 2, "drain_timeout_s": 1}},
+        env=dict(os.environ, RUNTIME_DIRECTORY=str(run)),
+    )
+
+
+async def _worker_refusals(relay: RelayProcess) -> list[float]:
+    """Each worker's own count of 429s, asked on its admin socket (not the merged one)."""
+    (run_dir,) = (relay.tmp_path / "run").glob("relay-*")
+    counts = []
+    for index in range(2):
+        connector = aiohttp.UnixConnector(path=str(run_dir / f"worker-{index}.sock"))
+        async with (
+            aiohttp.ClientSession(connector=connector) as session,
+            session.get("http://worker/metrics") as response,
+        ):
+            text = await response.text()
+        counts.append(value(text, "relay_refusals_total", reason="sandbox_limit"))
+    return counts
+
+
+LIMIT_BODY = "The sandbox has too many concurrent incoming connections (limit: 1)"
+
+
+async def _answer(relay: RelayProcess, target: str, host: str) -> str:
+    """A 429's message (SPEC §5), else what came instead: "in flight" when none in 2 s."""
+    try:
+        response = await request(relay.port, "GET", target, host, timeout=2)
+    except TimeoutError:
+        return "in flight"
+    if response.status != 429:
+        return str(response.status)
+    return str(json.loads(response.body)["message"])
+
+
+async def test_max_connections_counts_the_exchanges_of_every_worker(tmp_path: Path) -> None:
+    """SPEC §5a: max_connections counts in-flight exchanges to the sandbox, whichever worker
+    holds them (found by review: with 2 workers and a limit of 1, 2 were in flight)."""
+    app = _Held()
+    port = await app.start()
+    relay = _limited_relay(tmp_path)
+    relay.start(timeout=20)
+    host = f"{port}-limited.{DOMAIN}"
+    try:
+        first = asyncio.ensure_future(request(relay.port, "GET", "/", host, timeout=15))
+        for _ in range(250):  # bounded: 5 s
+            if app.arrived:
+                break
+            await asyncio.sleep(0.02)
+        assert app.arrived == 1
+        # New connections each, spread by SO_REUSEPORT over both workers' sockets.
+        answers = await asyncio.gather(*(_answer(relay, f"/{i}", host) for i in range(24)))
+        assert (app.arrived, answers) == (1, [LIMIT_BODY] * 24)
+        refusals = await _worker_refusals(relay)
+        assert sum(refusals) == 24
+        assert all(refusals), refusals  # both workers refused: each saw the other's exchange
+        app.release.set()
+        assert (await first).status == 200
+        # Nothing stays counted once it ended: one at a time, every worker lets one through.
+        app.release = asyncio.Event()
+        app.release.set()
+        statuses = [(await request(relay.port, "GET", "/", host)).status for _ in range(12)]
+        assert statuses == [200] * 12
+        assert sum(await _worker_refusals(relay)) == 24
+    finally:
+        relay.stop()
+        await app.close()
+
+
+async def test_a_killed_workers_exchange_does_not_stay_counted(tmp_path: Path) -> None:
+    """A worker killed by SIGKILL while an exchange to a limited sandbox is in flight never
+    takes it off the shared count itself: the supervisor clears what it held."""
+    app = _Held()
+    port = await app.start()
+    relay = _limited_relay(tmp_path)
+    relay.start(timeout=20)
+    host = f"{port}-limited.{DOMAIN}"
+    try:
+        held = asyncio.ensure_future(request(relay.port, "GET", "/", host, timeout=15))
+        for _ in range(250):  # bounded: 5 s
+            if app.arrived:
+                break
+            await asyncio.sleep(0.02)
+        assert app.arrived == 1
+        # Which worker holds it: the other one refuses everything it gets.
+        answers = await asyncio.gather(*(_answer(relay, "/", host) for _ in range(16)))
+        assert answers == [LIMIT_BODY] * 16
+        refusals = await _worker_refusals(relay)
+        assert all(refusals), refusals
+        _, body = await get(relay.admin_port, "/readyz")
+        pids = [w["pid"] for w in json.loads(body)["workers"]]
+        (run_dir,) = (relay.tmp_path / "run").glob("relay-*")
+        table = (run_dir / "inflight.bin").read_bytes()
+        column = len(table) // 2
+        holder = 0 if any(table[:column]) else 1
+        assert any(table[holder * column : (holder + 1) * column])
+        os.kill(pids[holder], signal.SIGKILL)
+        await asyncio.gather(held, return_exceptions=True)  # cut with its worker
+        assert await _ready_pids(relay, 15, exclude=pids[holder]) is not None
+        app.release.set()
+        statuses = [(await request(relay.port, "GET", "/", host)).status for _ in range(12)]
+        assert statuses == [200] * 12
+    finally:
+        relay.stop()
+        await app.close()
