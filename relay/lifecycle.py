@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from relay import metrics, systemd
 from relay.drain import drain
-from relay.sharedcount import FILE_NAME, SharedCounts
 from relay.systemd import Notifier
 from relay.worker_config import Saved, load_saved, save
 
@@ -113,14 +112,6 @@ class Lifecycle:
         if self.worker is not None:
             relay.admin_socket = str(self.worker.admin_socket)
             self.worker.metrics_dir.mkdir(parents=True, exist_ok=True)
-            # Per-sandbox max_connections across the workers (relay.sharedcount).
-            table = self.worker.run_dir / FILE_NAME
-            try:
-                relay.share_counts(SharedCounts(table, self.worker.index))
-            except (OSError, ValueError) as exc:
-                # Not a reason to stop serving (a restarted worker would only loop): the
-                # limit then holds per worker, as the error says.
-                log.error("max_connections is counted in this worker alone: %s", exc)
         self.notifier.status("starting")
         await relay.start()
         loop = asyncio.get_running_loop()

@@ -1,8 +1,10 @@
-"""relay.sharedcount: the workers' shared per-sandbox in-flight counts, without sockets."""
+"""relay.sharedcount: the workers' shared per-sandbox in-flight counts (the table without
+sockets; a WorkerRelay in this process)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
@@ -13,6 +15,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from relay.config import parse
+from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV
+from relay.runtime import Relay, WorkerRelay, _relay
 from relay.sharedcount import CELL, SLOTS, SharedCounts, create, slots, zero_column
 from tests.support.harness import DOMAIN, route, running_relay
 from tests.support.rawhttp import request
@@ -161,8 +166,9 @@ async def test_a_relay_counts_only_limited_exchanges_and_takes_back_what_it_adde
     upstream, waiting = await _held_app()
     routes = [route("free", insecure=True), route("lim", insecure=True, max_connections=2)]
     try:
-        async with running_relay(tmp_path, routes) as under_test:
-            under_test.relay.share_counts(SharedCounts(table, 0))
+        own = SharedCounts(table, 0)
+        make = functools.partial(WorkerRelay, shared=own)
+        async with running_relay(tmp_path, routes, make=make) as under_test:
             port = under_test.port
             free = asyncio.ensure_future(request(port, "GET", "/", app_host(upstream.port, "free")))
             await _until(lambda: len(waiting) == 1)
@@ -188,3 +194,16 @@ async def test_a_relay_counts_only_limited_exchanges_and_takes_back_what_it_adde
     finally:
         await upstream.close()
         sibling.close()
+
+
+def test_a_worker_gets_the_shared_count_and_a_single_relay_does_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = parse({})
+    assert type(_relay(config, None, {})) is Relay
+    env = {WORKER_ENV: "1", RUN_DIR_ENV: str(tmp_path)}
+    # No table (a supervisor that made none): served, counted per worker, and said so.
+    assert type(_relay(config, None, env)) is Relay
+    assert "max_connections is counted in this worker alone" in caplog.text
+    create(tmp_path, 2)
+    assert type(_relay(config, None, env)) is WorkerRelay

@@ -148,13 +148,15 @@ async def running_relay(
     overrides: dict[str, dict[str, Any]] | None = None,
     *,
     hold_every_write: bool = False,
+    make: Callable[[Config], Relay] = Relay,
 ) -> AsyncIterator[RelayUnderTest]:
     """relay in this event loop. ``hold_every_write``: its outbox holds every small write to
-    the end of the loop's turn (``busy=0``), as it does only under load when serving."""
+    the end of the loop's turn (``busy=0``), as it does only under load when serving.
+    ``make``: the Relay (a worker's ``WorkerRelay``, say) made of the configuration."""
     routes_file = tmp_path / "routes.json"
     write_routes(routes_file, routes)
     config: Config = parse(config_data(tmp_path, overrides), base_dir=tmp_path)
-    relay = Relay(config)
+    relay = make(config)
     await relay.start()
     if hold_every_write:
         relay.outbox.bind(asyncio.get_running_loop().call_soon, busy=0)
