@@ -18,6 +18,7 @@ from relay.preflight import host_checks
 
 BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 10.0
+NOTIFY_SOCKET = "notify.sock"  # in the run directory: the workers' sd_notify socket
 STABLE_S = 30.0  # a worker that ran this long before it exited starts its backoff afresh
 
 
@@ -61,7 +62,7 @@ def worker_env(
     env[WORKER_ENV] = str(index)
     env[RUN_DIR_ENV] = str(run_dir)
     env[SUPERVISOR_ENV] = str(supervisor_pid)  # a worker drains once it is gone (lifecycle)
-    env["NOTIFY_SOCKET"] = str(run_dir / "notify.sock")
+    env["NOTIFY_SOCKET"] = str(run_dir / NOTIFY_SOCKET)
     env["WATCHDOG_USEC"] = str(int(watchdog_s * 1_000_000))
     return env
 

@@ -50,9 +50,10 @@ from aiohttp import web
 from relay import admin, metrics, sharedcount, systemd
 from relay.addresses import split_address
 from relay.config import Config, load
-from relay.lifecycle import WORKER_FORCE_SIGNAL
+from relay.lifecycle import WORKER_FORCE_SIGNAL, admin_socket
 from relay.startup import binding
 from relay.supervision import (
+    NOTIFY_SOCKET,
     next_failures,
     parse_notification,
     preflight,
@@ -63,6 +64,29 @@ from relay.supervision import (
 from relay.systemd import Notifier
 
 log = logging.getLogger("relay.workers")
+# sun_path holds 108 bytes on Linux, the last a NUL: a longer socket path cannot be bound.
+UNIX_PATH_MAX = 107
+
+
+def _run_dir(base: str | None, workers: int) -> Path:
+    """The supervisor's private directory (0700): under ``base`` ($RUNTIME_DIRECTORY, else
+    $TMPDIR, else /tmp), unless the sockets in it would be too long to bind there (a long
+    $TMPDIR crashed the supervisor with "AF_UNIX path too long", found by review): then
+    under /tmp, and the log says so."""
+    run_dir = Path(tempfile.mkdtemp(prefix="relay-", dir=base))
+    longest = os.fsencode(admin_socket(run_dir, workers - 1))
+    if len(longest) <= UNIX_PATH_MAX and len(os.fsencode(run_dir / NOTIFY_SOCKET)) <= UNIX_PATH_MAX:
+        return run_dir
+    run_dir.rmdir()
+    short = Path(tempfile.mkdtemp(prefix="relay-", dir="/tmp"))
+    log.warning(
+        "run directory %s: its socket paths would be too long (over %d bytes); using %s",
+        run_dir.parent,
+        UNIX_PATH_MAX,
+        short,
+    )
+    return short
+
 
 WORKER_WATCHDOG_S = 30.0  # a ready worker that has not pinged for this long is killed
 KILL_GRACE_S = 5.0  # after drain_timeout_s, before stragglers get SIGKILL
@@ -119,7 +143,7 @@ class Supervisor:
     # -- run --------------------------------------------------------------------------------
     async def run(self) -> int:
         base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
-        self.run_dir = Path(tempfile.mkdtemp(prefix="relay-", dir=base))
+        self.run_dir = _run_dir(base, len(self.workers))
         (self.run_dir / "metrics").mkdir()
         try:
             self.inflight = sharedcount.create(self.run_dir, len(self.workers))
@@ -308,7 +332,7 @@ class Supervisor:
     # -- notifications from workers ------------------------------------------------------
     def _open_notify_socket(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        sock.bind(str(self.run_dir / "notify.sock"))
+        sock.bind(str(self.run_dir / NOTIFY_SOCKET))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.setblocking(False)
         self._sock = sock

@@ -989,3 +989,27 @@ async def test_a_killed_workers_exchange_does_not_stay_counted(tmp_path: Path) -
     finally:
         relay.stop()
         await app.close()
+
+
+async def test_workers_start_under_a_temporary_directory_too_long_for_a_socket(
+    tmp_path: Path,
+) -> None:
+    """The supervisor's run directory holds Unix sockets (notify.sock, worker-N.sock), whose
+    paths the kernel caps at 107 bytes. Outside systemd it is made under $TMPDIR: a long one
+    (a CI runner's or a nested build's) crashed the supervisor with "AF_UNIX path too long"
+    and a traceback, exit 1, which Restart=on-failure repeats for ever (found by review)."""
+    long_tmp = tmp_path / ("t" * (120 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RUNTIME_DIRECTORY"}
+    env["TMPDIR"] = str(long_tmp)
+    relay = RelayProcess(
+        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2}}, env=env
+    )
+    relay.start(timeout=20)
+    try:
+        status, body = await _readyz(relay)
+        assert status == 200, body
+    finally:
+        relay.stop()
+    assert "Traceback" not in relay.output()
+    assert "too long" in relay.output()  # said, with the directory used instead
