@@ -528,6 +528,29 @@ class WorkerRelay(Relay):
         if self.inflight.counted:
             self.inflight.release(item)
 
+    # A route's max_connections may change without a revocation (relay.core.routes.revokes):
+    # the exchanges a sandbox had in flight while it had no limit are in this worker's live
+    # index, which is what it counts itself, but were not in the shared table, and the other
+    # workers let `limit` more through on top of them (found by review). They are counted
+    # once the route has a limit: a table change is no request's path.
+    def install_routes(self, routes: dict[str, Route], source: str) -> None:
+        super().install_routes(routes, source)
+        self._count_limited(list(self.live))
+
+    def apply_routes(self, puts: Iterable[Route], deletes: Iterable[str], source: str) -> None:
+        puts = list(puts)
+        super().apply_routes(puts, deletes, source)
+        self._count_limited([route.sandbox_id for route in puts])
+
+    def _count_limited(self, sandbox_ids: Iterable[str]) -> None:
+        table, live, inflight = self.table, self.live, self.inflight
+        for sandbox_id in sandbox_ids:
+            items = live.get(sandbox_id)
+            route = table.get(sandbox_id) if items else None
+            if route is not None and route.max_connections:
+                for item in list(items or ()):
+                    inflight.count(item, sandbox_id)
+
 
 def _sandbox_of(item: Live) -> str | None:
     decision = item.decision

@@ -207,3 +207,32 @@ def test_a_worker_gets_the_shared_count_and_a_single_relay_does_not(
     assert "max_connections is counted in this worker alone" in caplog.text
     create(tmp_path, 2)
     assert type(_relay(config, None, env)) is WorkerRelay
+
+
+async def test_exchanges_in_flight_when_a_limit_is_set_count_for_the_other_workers(
+    tmp_path: Path,
+) -> None:
+    # SPEC §3: a route's max_connections may change without a revocation, so exchanges that
+    # began while it had no limit are still in flight once it has one. A single relay counts
+    # them (its live index); the other workers must too, or each lets `limit` more through.
+    table = create(tmp_path, 2)
+    sibling = SharedCounts(table, 1)
+    upstream, waiting = await _held_app()
+    try:
+        own = SharedCounts(table, 0)
+        make = functools.partial(WorkerRelay, shared=own)
+        async with running_relay(tmp_path, [route("lim", insecure=True)], make=make) as under_test:
+            port = under_test.port
+            host = app_host(upstream.port, "lim")
+            held = [asyncio.ensure_future(request(port, "GET", "/", host)) for _ in range(2)]
+            await _until(lambda: len(waiting) == 2)
+            assert sibling.others("lim") == 0  # no limit yet: not in the shared table
+            under_test.set_routes([route("lim", insecure=True, max_connections=2)])
+            assert sibling.others("lim") == 2
+            for release in waiting:
+                release.set()
+            assert [(await h).status for h in held] == [200, 200]
+            assert sibling.others("lim") == 0
+    finally:
+        await upstream.close()
+        sibling.close()
