@@ -184,6 +184,10 @@ class Respond:
         if self.request_complete or not keep:
             self._finish()
         else:
+            # No longer in flight to its sandbox (max_connections), as in _drop_rest: a 502
+            # before the body's end (nothing listening) kept counting while the client sent
+            # the rest, and the sandbox's next request got 429 (found by review).
+            self.client.relay.unregister(self)
             self.client.discarding()  # the rest of the body is dropped, within a deadline
 
     def _discard_ok(self, *, unsized: bool = True) -> bool:

@@ -410,6 +410,27 @@ async def test_per_sandbox_limit(tmp_path: Path, upstream: Upstream) -> None:
         assert again.status == 200
 
 
+async def test_an_answered_exchange_dropping_its_body_is_not_in_flight(tmp_path: Path) -> None:
+    # A 502 for an app port nothing listens on, sent before the request body ended: the rest of
+    # the body is read and dropped, the connection kept. That exchange has no upstream any more
+    # and must not count against max_connections (SPEC §5a), as an answer that came from the
+    # upstream before the body's end does not (Respond._drop_rest). It did: the sandbox's next
+    # request, on another connection, was answered 429 until the first client sent its body.
+    closed = free_port()
+    routes = [route("lim", insecure=True, max_connections=1)]
+    async with running_relay(tmp_path, routes) as relay:
+        first = await Connection.open(relay.port)
+        try:
+            head = request_bytes("POST", "/", app_host(closed, "lim"), [("Content-Length", "10")])
+            await first.send(head + b"abc")  # 7 bytes of the body still to come
+            answered = await first.read_response(5.0)
+            assert answered.status == 502
+            second = await request(relay.port, "GET", "/", app_host(closed, "lim"))
+            assert second.status == 502
+        finally:
+            await first.close()
+
+
 async def test_new_generation_never_reuses_a_pooled_connection(
     relay: RelayUnderTest, upstream: Upstream
 ) -> None:
