@@ -115,8 +115,19 @@ class ReloadableContext:
         # The files' bytes as they were loaded, for a worker that its supervisor restarts
         # (relay.worker_config.save): the pair may be rewritten in place later.
         self.pem = pem
-        self.listener = server_context(pem)
-        self.listener.sni_callback = self._select
+        self.listener = self._listener(pem)
+
+    def _listener(self, pem: tuple[bytes, bytes]) -> ssl.SSLContext:
+        """The context each accept's ``start_tls`` takes (relay.handshake reads it anew at
+        every accept). It holds the session cache and the session-ticket key (OpenSSL's
+        ``session_ctx`` stays the context a handshake began with, whatever ``sni_callback``
+        switches to), so a reload makes a new one: a resumed handshake presents no
+        certificate, and with one listener for the process's life clients resumed sessions
+        made under the certificate a reload had just replaced (found by review), and the
+        ticket key never rotated. nginx, too, builds new contexts at each reload."""
+        listener = server_context(pem)
+        listener.sni_callback = self._select
+        return listener
 
     def _select(self, sslobj: ssl.SSLObject, _name: str | None, _ctx: ssl.SSLContext) -> None:
         sslobj.context = self.current
@@ -134,6 +145,8 @@ class ReloadableContext:
         """
         cert_file = cert_file or self.cert_file
         key_file = key_file or self.key_file
-        info, pem, self.current = load_checked(Path(cert_file), Path(key_file), domains)
+        info, pem, current = load_checked(Path(cert_file), Path(key_file), domains)
+        listener = self._listener(pem)
+        self.current, self.listener = current, listener
         self.cert_file, self.key_file, self.info, self.pem = cert_file, key_file, info, pem
         return info
