@@ -437,6 +437,12 @@ class Closing:
             detail = "Invalid HTTP method"
         elif isinstance(exc, httptools.HttpParserInvalidURLError):
             detail = "Invalid request target"
+        elif detail == "Pause on PRI/Upgrade":
+            # llhttp stops at HTTP/2's connection preface (RFC 9113 §3.4, prior knowledge):
+            # a version relay does not speak, said as for any other (RFC 9110 §15.6.6), not in
+            # llhttp's words (found by review).
+            self._unparseable(Reject(reason=Reason.BAD_VERSION))
+            return
         self._unparseable(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
 
     def _unparseable(self, reject: Reject, head: RequestHead | None = None) -> None:

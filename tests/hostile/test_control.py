@@ -430,3 +430,18 @@ async def test_head_answer_has_no_body(hostile: Hostile) -> None:
         after = await conn.read_response()
         assert after.status == 200, after
         assert after.body == b"GET /health 0"
+
+
+async def test_an_http2_preface_is_refused_as_a_version_relay_does_not_speak(
+    hostile: Hostile,
+) -> None:
+    """A client with prior knowledge of HTTP/2 (RFC 9113 §3.4) starts with its preface, which
+    llhttp stops at: relay answered 400 "Malformed request: Pause on PRI/Upgrade", llhttp's
+    own words. It is an HTTP version relay does not speak: 505, as SPEC §5a has it."""
+    mark = hostile.recorder.mark()
+    response, closed = await exchange(hostile.port, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    assert response.status == 505, response.body
+    assert b"HTTP version not supported" in response.body
+    assert b"PRI" not in response.body
+    assert closed
+    assert await hostile.recorder.nothing_since(mark, settle=0.02)
