@@ -321,6 +321,14 @@ class RedisFeed:
         """
         hang_timeout = self.block_ms / 1000 + self._grace_s
         timeout = max(hang_timeout, self._snapshot_timeout_s)
+        # Taken while following worked (SIGHUP, a gap, entries relay could not apply): the
+        # stale clock runs from the last good read while the reply is awaited, as it does
+        # after a failure. That wait can be longer than max_stale_s, and a Redis that hung
+        # then kept the cache fresh until it ended (found by review). A resync that itself
+        # takes longer than max_stale_s turns the cache stale until it is loaded (SPEC §3).
+        resync_since = None if self._broken else self._last_ok
+        if resync_since is not None:
+            self.sink.feed_broken(resync_since)
         client = connect(self.target, socket_timeout=timeout)
         started = time.monotonic()
         try:
@@ -350,6 +358,8 @@ class RedisFeed:
         if errors:
             self.sink.reject_routes(errors, self.source)
         self.sink.install_routes(routes, self.source)
+        if resync_since is not None:
+            self.sink.feed_restored()
         self.snapshots += 1
         self._unapplied = False  # whatever entries relay could not apply, the hash had them
         position = start_position(info)

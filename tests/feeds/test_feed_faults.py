@@ -11,6 +11,7 @@ import asyncio
 import ipaddress
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,8 @@ class ThrottledProxy:
         self.upstream_port = upstream_port
         self.rate = rate
         self.server: asyncio.Server | None = None
+        self.flowing = asyncio.Event()  # cleared: Redis's replies stop (a black hole)
+        self.flowing.set()
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -194,6 +197,8 @@ class ThrottledProxy:
             step = self.rate // 50
             try:
                 while data := await src.read(step if slow else 65536):
+                    if slow:
+                        await self.flowing.wait()
                     dst.write(data)
                     await dst.drain()
                     if slow:
@@ -221,6 +226,38 @@ async def test_a_table_slower_to_arrive_than_a_hang_is_loaded(
     relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
     try:
         await wait_for(lambda: relay.feed_state.ready, 15, "the first table")
+        assert len(relay.table) == 10_000
+    finally:
+        await relay.stop()
+        await proxy.stop()
+
+
+async def test_a_redis_that_hangs_during_a_resync_makes_the_cache_stale_in_time(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
+) -> None:
+    """A resync snapshot (SIGHUP, a gap in the stream) taken while the feed is healthy waits
+    for its reply as long as the last snapshot took, twice over (so that a large table loads
+    over a slow link): ~5 s here, for a table that took ~2.5 s. A Redis that hangs then was
+    noticed only when that wait ended, and the cache stayed fresh for it, past max_stale_s
+    (found by review). SPEC §3: stale once max_stale_s has passed since the last good read."""
+    await load_hash(writer, [route(f"big{i:06d}") for i in range(10_000)])
+    proxy = ThrottledProxy(redis_proc.port, rate=400_000)
+    proxy_port = await proxy.start()
+    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
+    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
+    try:
+        await wait_for(lambda: relay.feed_state.ready, 15, "the first table")
+        feed = redis_feed(relay)
+        await wait_for(lambda: feed.snapshots == 1 and feed.position is not None, 5, "following")
+        assert not relay.feed_state.stale
+        assert feed.load()  # SIGHUP: the next wake-up (within block_ms) takes a snapshot
+        await asyncio.sleep(0.6)  # its reply is on the way
+        proxy.flowing.clear()  # and stops
+        hung = time.monotonic()
+        await wait_for(lambda: relay.feed_state.stale, 4, "a stale cache")
+        assert time.monotonic() - hung < 3  # max_stale_s after the last read, not ~5 s
+        proxy.flowing.set()
+        await wait_for(lambda: not relay.feed_state.stale, 20, "the feed back")
         assert len(relay.table) == 10_000
     finally:
         await relay.stop()
