@@ -19,6 +19,7 @@ before it restarts it, so what a worker killed by SIGKILL held does not stay cou
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -38,7 +39,14 @@ def create(run_dir: Path, workers: int) -> Path:
     try:
         # Allocated now, not sparse: a worker's first write to a page of a sparse file on a
         # full tmpfs would be a SIGBUS, here it is an error at start.
-        os.posix_fallocate(fd, 0, SLOTS * CELL * workers)
+        try:
+            os.posix_fallocate(fd, 0, SLOTS * CELL * workers)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            # A filesystem that cannot allocate (ZFS before 2.2, some FUSE ones): sparse
+            # then, rather than no relay at all (found by review).
+            os.ftruncate(fd, SLOTS * CELL * workers)
     finally:
         os.close(fd)
     return path
