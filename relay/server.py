@@ -502,6 +502,11 @@ class ClientConnection(Slices, asyncio.Protocol):
             return
         self._paused &= ~reason
         if not self._paused:
+            if self._rest and not self.closing:
+                # A rest put aside while requests queued or the client did not read
+                # (relay.slices): fed next turn, before anything read after it.
+                self._yield_turn()
+                return
             self.relay.timers.resumed(self)
             if self.transport is not None and not self.closing:
                 self.transport.resume_reading()

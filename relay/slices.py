@@ -33,7 +33,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relay.bodies import RequestBodies
-from relay.flow import FLOOD_SLICE, FLOOD_SLICE_MAX, PAUSE_YIELD, slice_bounds
+from relay.flow import (
+    FLOOD_SLICE,
+    FLOOD_SLICE_MAX,
+    PAUSE_CLIENT_FULL,
+    PAUSE_QUEUE,
+    PAUSE_YIELD,
+    slice_bounds,
+)
 
 if TYPE_CHECKING:
     from relay.websocket import Splice
@@ -51,6 +58,7 @@ class Slices(RequestBodies):
     _yielding: bool  # the client is paused until _yielded runs
     _feeding_rest: bool  # _yielded is running
     _again: bool  # it was called again meanwhile: another rest to feed
+    _paused: int  # ClientConnection's: the reasons it is not read (relay.flow)
     splice: Splice | None  # ClientConnection's
 
     @property
@@ -87,6 +95,14 @@ class Slices(RequestBodies):
             if self.parser is None or self.closing or self.splice is not None:
                 # Refused, closing, or upgraded (whose tail took the rest, _upgrade_tail):
                 # llhttp would not have read the rest of a whole read either.
+                return
+            if self._paused & (PAUSE_QUEUE | PAUSE_CLIENT_FULL):
+                # Requests wait behind the active exchange, or the client does not read
+                # relay's answers: the rest waits, unparsed, until that is over (resume). Fed
+                # on, a read of pipelined heads became thousands of queued exchanges or of
+                # relay's own answers in a buffer the client does not drain (found by review:
+                # ~2.5 MB per connection for 128 KiB of 45-byte requests).
+                self._rest = data[end:]
                 return
             if self._dense:
                 # Before the Content-Length case below, which would feed the rest now (found by
