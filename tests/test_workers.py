@@ -919,6 +919,17 @@ async def _answer(relay: RelayProcess, target: str, host: str) -> str:
     return str(json.loads(response.body)["message"])
 
 
+async def _one_held(relay: RelayProcess, app: _Held, host: str) -> asyncio.Future[Any]:
+    """A request the app holds: in flight to the limited sandbox, in one worker."""
+    held = asyncio.ensure_future(request(relay.port, "GET", "/", host, timeout=15))
+    for _ in range(250):  # bounded: 5 s
+        if app.arrived:
+            break
+        await asyncio.sleep(0.02)
+    assert app.arrived == 1
+    return held
+
+
 async def test_max_connections_counts_the_exchanges_of_every_worker(tmp_path: Path) -> None:
     """SPEC §5a: max_connections counts in-flight exchanges to the sandbox, whichever worker
     holds them (found by review: with 2 workers and a limit of 1, 2 were in flight)."""
@@ -928,12 +939,7 @@ async def test_max_connections_counts_the_exchanges_of_every_worker(tmp_path: Pa
     relay.start(timeout=20)
     host = f"{port}-limited.{DOMAIN}"
     try:
-        first = asyncio.ensure_future(request(relay.port, "GET", "/", host, timeout=15))
-        for _ in range(250):  # bounded: 5 s
-            if app.arrived:
-                break
-            await asyncio.sleep(0.02)
-        assert app.arrived == 1
+        first = await _one_held(relay, app, host)
         # New connections each, spread by SO_REUSEPORT over both workers' sockets.
         answers = await asyncio.gather(*(_answer(relay, f"/{i}", host) for i in range(24)))
         assert (app.arrived, answers) == (1, [LIMIT_BODY] * 24)
@@ -962,12 +968,7 @@ async def test_a_killed_workers_exchange_does_not_stay_counted(tmp_path: Path) -
     relay.start(timeout=20)
     host = f"{port}-limited.{DOMAIN}"
     try:
-        held = asyncio.ensure_future(request(relay.port, "GET", "/", host, timeout=15))
-        for _ in range(250):  # bounded: 5 s
-            if app.arrived:
-                break
-            await asyncio.sleep(0.02)
-        assert app.arrived == 1
+        held = await _one_held(relay, app, host)
         # Which worker holds it: the other one refuses everything it gets.
         answers = await asyncio.gather(*(_answer(relay, "/", host) for _ in range(16)))
         assert answers == [LIMIT_BODY] * 16
