@@ -74,8 +74,8 @@ def _run_dir(base: str | None, workers: int) -> Path:
     $TMPDIR crashed the supervisor with "AF_UNIX path too long", found by review): then
     under /tmp, and the log says so."""
     run_dir = Path(tempfile.mkdtemp(prefix="relay-", dir=base))
-    longest = os.fsencode(admin_socket(run_dir, workers - 1))
-    if len(longest) <= UNIX_PATH_MAX and len(os.fsencode(run_dir / NOTIFY_SOCKET)) <= UNIX_PATH_MAX:
+    sockets = (admin_socket(run_dir, workers - 1), run_dir / NOTIFY_SOCKET)
+    if max(len(os.fsencode(path)) for path in sockets) <= UNIX_PATH_MAX:
         return run_dir
     run_dir.rmdir()
     short = Path(tempfile.mkdtemp(prefix="relay-", dir="/tmp"))
