@@ -95,6 +95,7 @@ class Closing:
     _mid_message: bool
     _in_head: bool
     _headers: list[tuple[bytes, bytes]]  # the request's header fields, as llhttp gave them
+    _url: bytes  # the request's target, as llhttp gave it
     splice: Splice | None  # a WebSocket's, once upgraded (relay.slices declares it too)
     _lingering: float
     _close_left: int  # bytes relay still had to write at the close, or at the last progress
@@ -443,7 +444,26 @@ class Closing:
             # llhttp's words (found by review).
             self._unparseable(Reject(reason=Reason.BAD_VERSION))
             return
-        self._unparseable(Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}"))
+        reject = Reject(reason=Reason.BAD_REQUEST, detail=f"Malformed request: {detail}")
+        self._unparseable(reject, self._head_so_far())
+
+    def _head_so_far(self) -> RequestHead | None:
+        """The refused head as far as llhttp read it, once its request line and a field were
+        read: its Origin gets CORS, a browser page load the HTML page, and a HEAD no content
+        (SPEC §5, RFC 9110 §9.3.2), as for relay's other answers. llhttp's refusals (Content-
+        Length with Transfer-Encoding, RFC 9112 §6.1, and the other framing errors) went
+        without them: a page's fetch could not read why, and a HEAD's client read the JSON body
+        as the next response (found by review). llhttp stops at the error, so the fields after
+        it are never seen."""
+        parser = self.parser
+        if parser is None or not self._in_head or not self._headers:
+            return None
+        return RequestHead(
+            method=parser.get_method(),
+            target=self._url,
+            version=parser.get_http_version(),
+            headers=tuple(self._headers),
+        )
 
     def _unparseable(self, reject: Reject, head: RequestHead | None = None) -> None:
         """Nothing more can be parsed from this connection: refuse, in order, then close.

@@ -96,6 +96,47 @@ async def test_refused_and_closed(relay: RelayUnderTest, raw: bytes, status: int
     assert closed
 
 
+@pytest.mark.parametrize(
+    "framing",
+    [
+        pytest.param(b"Content-Length: 1\r\nTransfer-Encoding: chunked\r\n", id="cl-te"),
+        pytest.param(b"Transfer-Encoding: chunked\r\nContent-Length: 1\r\n", id="te-cl"),
+        pytest.param(b"Content-Length: 1\r\nContent-Length: 2\r\n", id="two-cl"),
+        pytest.param(b"X: a\r\n b\r\n", id="obs-fold"),
+    ],
+)
+@pytest.mark.parametrize("method", [b"POST", b"HEAD"])
+async def test_a_malformed_request_is_refused_as_its_head_asks(
+    relay: RelayUnderTest, framing: bytes, method: bytes
+) -> None:
+    """SPEC §5: errors carry Access-Control-Allow-Origin when the request had an Origin, and
+    a HEAD gets no content (RFC 9110 §9.3.2). llhttp's refusals (CL with TE, RFC 9112 §6.1,
+    and the other framing errors) were rendered without the head llhttp had read, so a
+    page's fetch could not read why it was refused (found by review). The fields read before
+    the error count; llhttp stops at the error, so an Origin after it is never seen."""
+    raw = (
+        method
+        + b" / HTTP/1.1\r\nHost: 49983-sbx.e2b.test\r\nOrigin: https://app.example\r\n"
+        + framing
+        + b"\r\n0\r\n\r\n"
+    )
+    conn = await Connection.open(relay.port)
+    try:
+        await conn.send(raw)
+        response = await conn.read_response(timeout=3, head=method == b"HEAD")
+        assert response.status == 400
+        assert response.header("Access-Control-Allow-Origin") == "*"
+        assert response.header("Connection") == "close"
+        if method == b"HEAD":
+            assert response.body == b""
+            assert int(response.header("Content-Length") or 0) > 0  # the GET's length
+        else:
+            assert json.loads(response.body)["code"] == 400
+        assert await conn.closed_by_peer(1.0)
+    finally:
+        await conn.close()
+
+
 async def test_header_section_too_large(relay: RelayUnderTest) -> None:
     raw = (
         b"GET / HTTP/1.1\r\nHost: a\r\n"
