@@ -160,7 +160,15 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     """Return the value converted to ``annotation`` or raise naming ``key``."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(annotation):
+        options = typing.get_args(annotation)
+        if isinstance(value, list):
+            # A list for ``str | list[str]`` (listen.address): the list's own check, whose
+            # error names the bad element; the union's named only the key, "expected str |
+            # list[str], got list" for a list with one bad element (found by review).
+            for option in options:
+                if typing.get_origin(option) is list:
+                    return _check_type(key, value, option)
+        for option in options:
             try:
                 return _check_type(key, value, option)
             except ConfigError:
@@ -313,7 +321,11 @@ def validate(config: Config) -> None:
     _check(up.credentials in ("strip", "forward"), "upstream.credentials", '"strip" or "forward"')
     _check(1 <= up.envd_port <= 65535, "upstream.envd_port", "must be a port number")
     for i, port in enumerate(up.denied_ports):
-        _check(1 <= port <= 65535, f"upstream.denied_ports[{i}]", "must be a port number")
+        _check(
+            1 <= port <= 65535,
+            f"upstream.denied_ports[{i}]",
+            f"must be a port number (1-65535), got {port}",
+        )
     _check(up.connect_timeout_s > 0, "upstream.connect_timeout_s", "must be > 0")
     _check(
         not (up.source_address and up.source_interface),

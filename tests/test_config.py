@@ -103,6 +103,39 @@ def test_bad_config_names_the_key(data: dict[str, object], key: str) -> None:
     assert str(info.value).startswith(key + ":")
 
 
+@pytest.mark.parametrize(
+    ("toml", "line"),
+    [
+        # listen.address is a string or a list: the element's own error, not the union's
+        # ("listen.address: expected str | list[str], got list", found by review).
+        (
+            '[listen]\naddress = ["127.0.0.1:8080", 8081]\n',
+            "listen.address[1]: expected str, got int",
+        ),
+        (
+            '[listen]\naddress = ["127.0.0.1:8080", "127.0.0.1"]\n',
+            "listen.address[1]: bad address '127.0.0.1'",
+        ),
+        # The value out of range, not only its place.
+        (
+            "[upstream]\ndenied_ports = [50090, 70000]\n",
+            "upstream.denied_ports[1]: must be a port number (1-65535), got 70000",
+        ),
+        (
+            '[upstream]\nallowed_cidrs = ["10.0.0.0/8", "10.0.0.0/33"]\n',
+            "upstream.allowed_cidrs[1]: not a CIDR: '10.0.0.0/33'",
+        ),
+    ],
+)
+def test_a_bad_list_element_is_named_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], toml: str, line: str
+) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(toml)
+    assert main(["check-config", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"relay: config error: {line}\n"
+
+
 def test_domains_in_any_case_and_with_a_root_dot_are_accepted() -> None:
     config = parse({"routing": {"domains": ["Sandbox.Example.COM.", "e2b-1.local"]}})
     assert config.settings().domains == ("sandbox.example.com", "e2b-1.local")
