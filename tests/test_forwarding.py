@@ -841,6 +841,41 @@ async def test_http10_request_without_host_reaches_the_guest_with_one(tmp_path: 
     )
 
 
+async def test_an_empty_host_is_routed_by_the_sandbox_headers(tmp_path: Path) -> None:
+    """RFC 9112 §3.2: a client sends an empty Host when the target URI has no authority, and
+    an empty reg-name is a valid Host (RFC 9110 §7.2). It names no sandbox, so the header form
+    routes it (SPEC §1: both forms apply on every Host but api.<domain>), and with no target
+    it goes where any other name without one goes (no management upstream here: 404). relay
+    refused it 400 "Invalid Host header" (found by review). The Host is preserved (SPEC §4),
+    empty: Go's net/http (envd's) takes an empty Host, as it refuses only a missing one."""
+    heads: list[bytes] = []
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async with (
+        scripted_upstream(upstream) as app_port,
+        running_relay(tmp_path, [route("sbx", envd_token="t")]) as r,
+    ):
+        conn = await Connection.open(r.port)
+        try:
+            await conn.send(
+                b"GET /x HTTP/1.1\r\nHost:\r\nE2b-Sandbox-Id: sbx\r\n"
+                b"E2b-Sandbox-Port: %d\r\nConnection: close\r\n\r\n" % app_port
+            )
+            response = await conn.read_response(timeout=5)
+        finally:
+            await conn.close()
+        assert (response.status, response.body) == (200, b"ok")
+        assert heads[0].startswith(b"GET /x HTTP/1.1\r\nHost: \r\n")
+        assert heads[0].count(b"Host:") == 1
+        nothing = await request(r.port, "GET", "/x", "")
+        assert nothing.status == 404, nothing.body
+
+
 async def test_an_http10_client_kept_alive_is_told_so_by_relays_own_answers(
     tmp_path: Path,
 ) -> None:

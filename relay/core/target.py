@@ -151,6 +151,12 @@ def host_target(value: bytes, domains: tuple[str, ...]) -> tuple[bool, HostForm]
 
 
 def _host_target(value: bytes, domains: tuple[str, ...]) -> tuple[bool, HostForm]:
+    if not value.strip(b" \t"):
+        # An empty Host is well-formed: a client sends one when the target URI has no
+        # authority (RFC 9112 §3.2; an empty reg-name, RFC 9110 §7.2). It names no sandbox,
+        # so the header form or the management upstream takes it, as for any other name (SPEC
+        # §1). Found by review: refused 400 "Invalid Host header".
+        return True, None
     host = normalise_host(value)
     if host is None:
         return False, None
