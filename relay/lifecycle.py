@@ -142,25 +142,7 @@ class Lifecycle:
                 await self._shutdown()
             finally:
                 sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, WORKER_FORCE_SIGNAL)
-                # Drained and on its way out, a worker ignores them: the supervisor's force
-                # signal for a second SIGTERM (or the terminal's next Ctrl-C) has nothing left
-                # to cut. Their default actions killed it (SIGUSR1: exit -10), and the
-                # supervisor, seeing a worker die in the drain, exited 1 (found by review).
-                # Blocked meanwhile: remove_signal_handler restores the default action, and
-                # one arriving before SIG_IGN still killed it (found when a fresh run's test
-                # hit that window); a blocked one pending at SIG_IGN is discarded. (Not in a
-                # lone relay, which may run inside a test process.)
-                worker = self.worker is not None
-                if worker:
-                    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-                try:
-                    for sig in sigs:
-                        loop.remove_signal_handler(sig)
-                        if worker:
-                            signal.signal(sig, signal.SIG_IGN)
-                finally:
-                    if worker:
-                        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+                systemd.end_loop_handlers(loop, sigs, ignore=self.worker is not None)
 
     def on_stop_signal(self) -> None:
         # A second signal cuts the drain short; in a worker only the supervisor's says so.

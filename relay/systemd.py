@@ -16,6 +16,7 @@ otherwise ignored, as libsystemd does; relay never blocks on systemd.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -111,20 +112,28 @@ class Notifier:
             self._sock = None
 
 
-# -- signals before the event loop's handlers ---------------------------------------------------
+# -- signals before and after the event loop's handlers ----------------------------------------
+# Held from relay serve's first line until the event loop's handlers take them.
+HELD = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
 _held: list[int] = []
+_holding = False  # this process is relay serve's own, held from its first line
 
 
 def hold_signals() -> None:
-    """Remember SIGHUP and SIGTERM until the event loop's handlers are in place (``held``).
+    """Remember SIGINT, SIGHUP and SIGTERM until the event loop's handlers are in place
+    (``held``).
 
     Their default actions end the process: a ``systemctl reload`` or a logrotate hook in the
     first ~0.3 s of a start (module imports, ``Relay.start``) killed relay, with one worker or
-    several, and systemd counts death by SIGHUP as a clean exit (found by review). Called first
-    thing by ``relay serve``, in the supervisor and in each worker alike.
+    several, and systemd counts death by SIGHUP as a clean exit (found by review). A Ctrl-C
+    there raised KeyboardInterrupt wherever the start was: a traceback and exit -2, not a
+    stop's 0 (found by review). Called first thing by ``relay serve``, in the supervisor and
+    in each worker alike.
     """
-    for sig in (signal.SIGHUP, signal.SIGTERM):
+    global _holding  # noqa: PLW0603 - once per process, before anything else runs
+    for sig in HELD:
         signal.signal(sig, _remember)
+    _holding = True
 
 
 def _remember(signum: int, _frame: object) -> None:
@@ -141,9 +150,43 @@ def held() -> list[int]:
 def release_signals() -> None:
     """Not serving after all (``main`` was given another command than argv named): the default
     actions again, and what came meanwhile delivered under them (found by review)."""
-    if signal.getsignal(signal.SIGHUP) is not _remember:
+    global _holding  # noqa: PLW0603 - the hold ends for this process
+    if not _holding:
         return
+    _holding = False
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own: KeyboardInterrupt
     for sig in (signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     for early in held():
         signal.raise_signal(early)
+
+
+def end_loop_handlers(
+    loop: asyncio.AbstractEventLoop, sigs: tuple[signal.Signals, ...], *, ignore: bool
+) -> None:
+    """Take the event loop's handlers off ``sigs`` as relay ends, its drain over.
+
+    ``ignore`` (a worker): each is ignored from then on. The supervisor's force signal for a
+    second SIGTERM (or the terminal's next Ctrl-C) has nothing left to cut; their default
+    actions killed the worker (SIGUSR1: exit -10), and the supervisor, seeing a worker die
+    in the drain, exited 1 (found by review). In relay serve's own process (signals held
+    from its first line) the held ones are ignored too: ``remove_signal_handler`` gives
+    SIGINT back to Python's KeyboardInterrupt and SIGTERM and SIGHUP to their default
+    actions, and a Ctrl-C in the last ~20 ms of a lone relay's or a supervisor's exit printed
+    a traceback from the loop's close and exited -2 (found by review). Ignored, not held:
+    Python puts the default actions back on the signals it handles as it finalizes.
+    Blocked meanwhile: one arriving between the removal and SIG_IGN still took its default
+    action (found when a fresh run's test hit that window); a blocked one pending at SIG_IGN
+    is discarded. A relay run inside another program (a test) leaves its handlers alone.
+    """
+    quiet = {sig for sig in sigs if ignore or (_holding and sig in HELD)}
+    if quiet:
+        signal.pthread_sigmask(signal.SIG_BLOCK, quiet)
+    try:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+            if sig in quiet:
+                signal.signal(sig, signal.SIG_IGN)
+    finally:
+        if quiet:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, quiet)

@@ -206,8 +206,9 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        systemd.end_loop_handlers(
+            loop, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), ignore=False
+        )
         if self._sock is not None:
             loop.remove_reader(self._sock.fileno())
             self._sock.close()
