@@ -71,6 +71,19 @@ def test_hop_by_hop_and_connection_named_fields_are_dropped() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "connection", [((b"Connection", b"Upgrade"),), ()], ids=["listed", "not-listed"]
+)
+def test_a_426s_upgrade_is_not_relayed(connection: tuple[tuple[bytes, bytes], ...]) -> None:
+    """README "Decisions": Upgrade is dropped from every response but a 101's, listed in
+    Connection or not (RFC 9110 §7.6.1 names it among the fields an intermediary removes
+    either way), as E2B's proxy (Go's ReverseProxy) does; a 426's names a protocol for the
+    guest's connection to relay, which relay does not take up."""
+    result = plan((*connection, (b"Upgrade", b"h2c"), CL), status=426)
+    assert b"Upgrade" not in result.head
+    assert result.head.endswith(b"\r\nContent-Length: 5\r\n\r\n")
+
+
 def test_http10_client_gets_a_close_delimited_body() -> None:
     result = plan((), client_version="1.0")
     assert not result.keep_alive
