@@ -420,7 +420,7 @@ class Closing:
             # answers yet (found by review: a 408 for a head relay stopped reading).
             self.relay.timers.expect_head(self)
         elif self._head_raw or self._in_head:  # llhttp began a head: bytes were sent
-            self.refuse(Reject(reason=Reason.HEADER_TIMEOUT))
+            self.refuse(Reject(reason=Reason.HEADER_TIMEOUT), head=self._head_so_far())
         else:
             self.close()  # nothing was sent: just close
 
@@ -451,10 +451,11 @@ class Closing:
         """The refused head as far as llhttp read it, once its request line and a field were
         read: its Origin gets CORS, a browser page load the HTML page, and a HEAD no content
         (SPEC §5, RFC 9110 §9.3.2), as for relay's other answers. llhttp's refusals (Content-
-        Length with Transfer-Encoding, RFC 9112 §6.1, and the other framing errors) went
-        without them: a page's fetch could not read why, and a HEAD's client read the JSON body
-        as the next response (found by review). llhttp stops at the error, so the fields after
-        it are never seen."""
+        Length with Transfer-Encoding, RFC 9112 §6.1, and the other framing errors), a 431
+        before the head's end (a browser's large Cookie) and a 408 went without them: a
+        page's fetch could not read why, and a HEAD's client read the JSON body as the next
+        response (found by review). llhttp stops at an error, so the fields after it are
+        never seen."""
         parser = self.parser
         if parser is None or not self._in_head or not self._headers:
             return None

@@ -260,8 +260,9 @@ class ClientConnection(Slices, asyncio.Protocol):
         limit = self.relay.config.listen.max_header_bytes
         if self._in_head:
             if self._head_raw > limit:
-                # After any earlier pipelined responses, not inside one (RFC 9112 §9.3.2).
-                self._unparseable(HEAD_TOO_LARGE)
+                # After any earlier pipelined responses, not inside one (RFC 9112 §9.3.2);
+                # rendered with the fields read so far (a browser's large Cookie: CORS).
+                self._unparseable(HEAD_TOO_LARGE, self._head_so_far())
         elif self._moved:
             self._stalled = 0
             if self._mid_message and self._keep:

@@ -148,6 +148,30 @@ async def test_header_section_too_large(relay: RelayUnderTest) -> None:
     assert closed
 
 
+@pytest.mark.parametrize("method", [b"GET", b"HEAD"])
+async def test_a_head_refused_before_its_end_is_answered_as_it_asks(
+    relay: RelayUnderTest, method: bytes
+) -> None:
+    """A head past listen.max_header_bytes before its end (a browser's large Cookie over
+    several reads), and one that stops coming (408): the fields read so far count, as for
+    llhttp's refusals (SPEC §5: CORS for an Origin; a HEAD gets no content). Found by
+    review: both were answered without the head, so a page's fetch could not read its 431."""
+    start = method + b" / HTTP/1.1\r\nHost: 49983-sbx.e2b.test\r\nOrigin: https://app.example\r\n"
+    for rest, status in ((b"Cookie: " + b"c" * 5000, 431), (b"X-Slow: 1", 408)):
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(start)
+            await conn.send(rest)  # no end of the head
+            response = await conn.read_response(timeout=3, head=method == b"HEAD")
+            assert response.status == status
+            assert response.header("Access-Control-Allow-Origin") == "*"
+            if method == b"HEAD":
+                assert response.body == b""
+            assert await conn.closed_by_peer(1.0)
+        finally:
+            await conn.close()
+
+
 async def test_endless_header_line_is_cut_at_the_limit(relay: RelayUnderTest) -> None:
     conn = await Connection.open(relay.port)
     await conn.send(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: " + b"v" * 8000)
