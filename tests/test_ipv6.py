@@ -180,6 +180,10 @@ async def test_routes_to_an_ipv6_guest_by_host_and_by_headers(
         ("[::1", 400, "bad_host"),
         ("[::1]x", 400, "bad_host"),
         ("[fe80::1%25lo]:80", 400, "bad_host"),  # RFC 6874 zones are not taken
+        # Brackets hold an IPv6 address (RFC 3986 §3.2.2): these were taken as hosts.
+        ("[:]", 400, "bad_host"),
+        ("[1.2.3.4]:80", 400, "bad_host"),
+        ("[::1::2]:80", 400, "bad_host"),
     ],
 )
 async def test_a_host_holding_an_ipv6_literal_names_no_sandbox(

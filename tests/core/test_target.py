@@ -82,6 +82,14 @@ def test_bad_host_is_400(host: str) -> None:
         (b"\xff", None),
         (b"", None),
         (b"[::1", None),
+        # RFC 3986 §3.2.2: the brackets hold an IPv6 address, not any run of hex digits,
+        # colons and dots (found by review: these were hosts, "no sandbox", not 400).
+        (b"[::ffff:1.2.3.4]:8080", "[::ffff:1.2.3.4]"),
+        (b"[0:0::1]", "[0:0::1]"),
+        (b"[:]", None),
+        (b"[1.2.3.4]:80", None),
+        (b"[::1::2]", None),
+        (b"[12345::]", None),
     ],
 )
 def test_normalise_host(raw: bytes, normal: str | None) -> None:
