@@ -49,6 +49,12 @@ def split_address(address: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+def authority(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets (RFC 3986 §3.2.2), so that
+    ``::1:8080`` is not read as one address without a port."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def parse_http_url(url: str) -> tuple[str, int] | None:
     """``http://host[:port]`` (no path) → (host, port); the management upstream's form."""
     if not url.startswith("http://"):

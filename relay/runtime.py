@@ -21,7 +21,7 @@ from aiohttp import web
 
 from relay import admin, netlink
 from relay.accesslog import ACCESS_LOG
-from relay.addresses import parse_http_url, split_address
+from relay.addresses import authority, parse_http_url, split_address
 from relay.config import Config, in_networks, networks
 from relay.core import failures
 from relay.core.decide import FeedState, Settings
@@ -397,8 +397,8 @@ class Relay:
         admin = self.admin_bound
         log.info(
             "relay listening on %s (admin %s)",
-            ", ".join(_authority(h, p) for h, p in self.bound),
-            _authority(*admin) if admin else "through the supervisor",
+            ", ".join(authority(h, p) for h, p in self.bound),
+            authority(*admin) if admin else "through the supervisor",
         )
 
     async def _start_admin(self) -> None:
@@ -568,8 +568,3 @@ def _relay(config: Config, tls_files: tuple[Path, Path] | None, env: Mapping[str
         log.error("max_connections is counted in this worker alone: %s", exc)
         return Relay(config, initial_tls=tls_files)
     return WorkerRelay(config, shared, initial_tls=tls_files)
-
-
-def _authority(host: str, port: int) -> str:
-    """``host:port`` as a URL writes it: an IPv6 address in brackets (RFC 3986 §3.2.2)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

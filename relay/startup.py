@@ -11,6 +11,8 @@ import os
 import socket
 from collections.abc import Iterator
 
+from relay.addresses import authority
+
 
 class StartupError(RuntimeError):
     """relay cannot run safely on this machine; the message says why."""
@@ -33,7 +35,8 @@ def binding(what: str, host: str, port: int) -> Iterator[None]:
             reason = exc.strerror or str(exc)
         else:
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise StartupError(f"cannot listen on {what} {host}:{port}: {reason}") from exc
+        # In brackets for IPv6: "::1:8080" reads as one address (found by review).
+        raise StartupError(f"cannot listen on {what} {authority(host, port)}: {reason}") from exc
 
 
 def check_parsers() -> None:

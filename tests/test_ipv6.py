@@ -22,9 +22,20 @@ import aiohttp
 import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
 
+from relay.config import parse
+from relay.runtime import Relay
+from relay.startup import StartupError
 from tests.support.fake_app import FakeApp
 from tests.support.fake_envd import FakeEnvd
-from tests.support.harness import DOMAIN, RelayUnderTest, route, running_relay, tls_listener
+from tests.support.harness import (
+    DOMAIN,
+    RelayUnderTest,
+    config_data,
+    route,
+    running_relay,
+    tls_listener,
+    write_routes,
+)
 from tests.support.rawhttp import Connection, Response
 
 
@@ -251,3 +262,24 @@ async def test_tls_streaming_and_websocket_over_ipv6(
                 break
             await asyncio.sleep(0.01)
     assert app.ws_close_codes == [4006]
+
+
+@pytest.mark.parametrize("taken", ["listen.address", "admin.address"])
+async def test_a_taken_ipv6_port_is_named_in_brackets(tmp_path: Path, taken: str) -> None:
+    """The one line a listener that cannot bind stops relay with wrote ``::1:PORT``, which
+    reads as one IPv6 address with no port (found by review; the start line has brackets)."""
+    with socket.socket(socket.AF_INET6) as holder:
+        holder.bind(("::1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        section = taken.partition(".")[0]
+        overrides = {section: {"address": f"[::1]:{busy}"}}
+        config = parse(config_data(tmp_path, overrides), base_dir=tmp_path)
+        write_routes(tmp_path / "routes.json", [])
+        relay = Relay(config)
+        try:
+            with pytest.raises(StartupError) as raised:
+                await relay.start()
+        finally:
+            await relay.stop()
+    assert str(raised.value) == f"cannot listen on {taken} [::1]:{busy}: Address already in use"
