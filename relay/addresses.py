@@ -94,3 +94,22 @@ def overlap(a: str, b: str) -> bool:
     if ips[0].version != ips[1].version:
         return False
     return ips[0] == ips[1] or ips[0].is_unspecified or ips[1].is_unspecified
+
+
+def family_mismatch(source: str | None, address: str) -> str | None:
+    """Why a dial from ``source`` (``upstream.source_address``) failed when ``address`` is of
+    the other family: the kernel says only EINVAL or EAFNOSUPPORT, and the access log gave no
+    more (found by review). relay.upstreams asks after a failure only, so a dial that succeeds
+    pays nothing."""
+    if not source:
+        return None
+    try:
+        ips = ipaddress.ip_address(source), ipaddress.ip_address(address)
+    except ValueError:
+        return None  # a management upstream's name
+    if ips[0].version == ips[1].version:
+        return None
+    return (
+        f"the source address {source} is IPv{ips[0].version}, "
+        f"the upstream {address} is IPv{ips[1].version}"
+    )

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
+from relay.addresses import family_mismatch
 from relay.closing import unsent
 from relay.core.model import PoolKey
 from relay.outbox import Outbox
@@ -407,7 +408,10 @@ class Pool:
             except OSError as exc:
                 if observer is not None:
                     observer.dial_failed("error")
-                raise DialError(exc.strerror or type(exc).__name__, refused=False) from None
+                reason = family_mismatch(self.source_address, key.address)
+                raise DialError(
+                    reason or exc.strerror or type(exc).__name__, refused=False
+                ) from None
             except ValueError as exc:  # an address getaddrinfo cannot take (UnicodeError)
                 if observer is not None:
                     observer.dial_failed("error")

@@ -283,3 +283,24 @@ async def test_a_taken_ipv6_port_is_named_in_brackets(tmp_path: Path, taken: str
         finally:
             await relay.stop()
     assert str(raised.value) == f"cannot listen on {taken} [::1]:{busy}: Address already in use"
+
+
+@pytest.mark.parametrize(("source", "guest"), [("127.0.0.1", "::1"), ("::1", "127.0.0.1")])
+async def test_a_source_address_of_the_other_family_is_the_dial_reason(
+    tmp_path: Path, envd: FakeEnvd, access_lines: list[dict[str, Any]], source: str, guest: str
+) -> None:
+    """``upstream.source_address`` is one address of one family, so a guest of the other is
+    not dialled (docs/operations.md). The access log said only ``dial: Invalid argument`` or
+    ``dial: Address family not supported by protocol`` (found by review); it says why."""
+    overrides = v6_overrides(
+        envd, upstream={"source_address": source, "allowed_cidrs": ["127.0.0.0/8", "::1/128"]}
+    )
+    async with running_relay(tmp_path, [route("sbxv6", guest, insecure=True)], overrides) as relay:
+        answer = await ask(relay, f"8080-sbxv6.{DOMAIN}")
+    assert answer.status == 502
+    families = {"127.0.0.1": "IPv4", "::1": "IPv6"}
+    (line,) = access_lines
+    assert line["reason"] == (
+        f"dial: the source address {source} is {families[source]}, "
+        f"the upstream {guest} is {families[guest]}"
+    )
