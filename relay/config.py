@@ -337,6 +337,7 @@ def validate(config: Config) -> None:
             ipaddress.ip_address(up.source_address)
         except ValueError:
             raise ConfigError("upstream.source_address: not an IP address") from None
+    _check_source_family(config)
     if config.management.upstream:
         _check(
             parse_http_url(config.management.upstream) is not None,
@@ -351,6 +352,39 @@ def validate(config: Config) -> None:
         f"must be between 1 and {MAX_WORKERS}",
     )
     _check(config.process.drain_timeout_s >= 0, "process.drain_timeout_s", "must be >= 0")
+
+
+def _check_source_family(config: Config) -> None:
+    """A socket bound to ``upstream.source_address`` dials only its own family, and
+    ``source_interface`` gives an IPv4 address (relay.netlink). With no network of that family
+    in ``upstream.allowed_cidrs`` no route could ever be dialled, nor a management upstream
+    written as an address of the other family: relay started, and every request was 502 with
+    the reason ``dial: Invalid argument`` (found by review). Names are not checked: they may
+    resolve to both families."""
+    up = config.upstream
+    if up.source_address:
+        key, version = "upstream.source_address", ipaddress.ip_address(up.source_address).version
+        what = f"{up.source_address} is IPv{version}"
+    elif up.source_interface:
+        key, version, what = "upstream.source_interface", 4, "gives an IPv4 address"
+    else:
+        return
+    _check(
+        any(net.version == version for net in config.allowed_cidrs()),
+        key,
+        f"{what}, and upstream.allowed_cidrs has no IPv{version} network: no route could be "
+        "dialled",
+    )
+    parsed = parse_http_url(config.management.upstream) if config.management.upstream else None
+    try:
+        management = ipaddress.ip_address(parsed[0]) if parsed else None
+    except ValueError:
+        management = None  # a name
+    _check(
+        management is None or management.version == version,
+        key,
+        f"{what}, and cannot dial management.upstream {management}",
+    )
 
 
 def _check_distinct_addresses(config: Config) -> None:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,6 +69,28 @@ def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -
         ({"upstream": {"denied_ports": [0]}}, "upstream.denied_ports[0]"),
         ({"upstream": {"denied_ports": ["1"]}}, "upstream.denied_ports[0]"),
         ({"upstream": {"source_address": "nope"}}, "upstream.source_address"),
+        # One family only can be dialled from a source address: with none of its family in
+        # allowed_cidrs no route could be, nor an IP management upstream of the other one
+        # (found by review: serve started, every dial 502 "dial: Invalid argument").
+        (
+            {"upstream": {"source_address": "::1", "allowed_cidrs": ["127.0.0.0/8"]}},
+            "upstream.source_address",
+        ),
+        (
+            {"upstream": {"source_address": "10.0.0.1", "allowed_cidrs": ["fc00::/7"]}},
+            "upstream.source_address",
+        ),
+        (
+            {"upstream": {"source_interface": "br0", "allowed_cidrs": ["fd00::/8"]}},
+            "upstream.source_interface",
+        ),
+        (
+            {
+                "upstream": {"source_address": "::1"},
+                "management": {"upstream": "http://127.0.0.1:3000"},
+            },
+            "upstream.source_address",
+        ),
         ({"routes": {"source": "etcd"}}, "routes.source"),
         ({"routes": {"source": "redis"}}, "routes.redis_url"),
         ({"management": {"upstream": "https://x"}}, "management.upstream"),
@@ -134,6 +157,19 @@ def test_a_bad_list_element_is_named_in_one_line(
     path.write_text(toml)
     assert main(["check-config", "--config", str(path)]) == 2
     assert capsys.readouterr().err == f"relay: config error: {line}\n"
+
+
+@pytest.mark.parametrize(
+    "upstream",
+    [
+        {"source_address": "::1"},  # the default allowed_cidrs hold both families
+        {"source_address": "fd00::1", "allowed_cidrs": ["fc00::/7"]},
+        {"source_address": "10.0.0.1", "allowed_cidrs": ["10.0.0.0/8", "fc00::/7"]},
+        {"source_interface": "br0", "allowed_cidrs": ["10.0.0.0/8"]},
+    ],
+)
+def test_a_source_address_with_routes_of_its_family_is_accepted(upstream: dict[str, Any]) -> None:
+    parse({"upstream": upstream, "management": {"upstream": "http://relay-api.internal:3000"}})
 
 
 def test_domains_in_any_case_and_with_a_root_dot_are_accepted() -> None:
