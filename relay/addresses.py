@@ -55,6 +55,18 @@ def authority(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def ipv4_mapped(host: str) -> str | None:
+    """The IPv4 address an IPv4-mapped IPv6 host (``::ffff:10.0.0.1``) stands for, else None.
+    relay's IPv6 listeners are v6-only (asyncio and uvloop set ``IPV6_V6ONLY``), so the kernel
+    refuses to bind one (EINVAL)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped) if mapped is not None else None
+
+
 def parse_http_url(url: str) -> tuple[str, int] | None:
     """``http://host[:port]`` (no path) → (host, port); the management upstream's form."""
     if not url.startswith("http://"):

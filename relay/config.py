@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from relay.addresses import is_dns_name, overlap, parse_http_url, split_address
+from relay.addresses import ipv4_mapped, is_dns_name, overlap, parse_http_url, split_address
 from relay.core.decide import Settings
 from relay.core.routes import Network
 
@@ -301,6 +301,7 @@ def validate(config: Config) -> None:
                 raise ConfigError(f"{key}[{i}]: not a CIDR: {cidr!r}") from None
     _check(split_address(config.admin.address) is not None, "admin.address", "bad address")
     _check_distinct_addresses(config)
+    _check_not_mapped(config)
     _check(bool(config.routing.domains), "routing.domains", "at least one domain")
     for i, domain in enumerate(config.routing.domains):
         _check(
@@ -385,6 +386,21 @@ def _check_source_family(config: Config) -> None:
         key,
         f"{what}, and cannot dial management.upstream {management}",
     )
+
+
+def _check_not_mapped(config: Config) -> None:
+    """No listener on an IPv4-mapped address: serve stopped at bind with "Invalid argument",
+    exit 1, which Restart=on-failure repeats, and check-config passed it (found by review)."""
+    named = [(f"listen.address[{i}]", a) for i, a in enumerate(config.listen.addresses)]
+    for key, address in [*named, ("admin.address", config.admin.address)]:
+        host, port = split_address(address) or ("", 0)
+        mapped = ipv4_mapped(host)
+        _check(
+            mapped is None,
+            key,
+            f"{address} is an IPv4-mapped IPv6 address, which a v6-only listener cannot bind: "
+            f"write {mapped}:{port}",
+        )
 
 
 def _check_distinct_addresses(config: Config) -> None:

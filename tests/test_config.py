@@ -58,6 +58,10 @@ def test_management_host_is_the_upstream_authority(upstream: str, host: bytes) -
         ({"listen": {"address": "exa mple:8080"}}, "listen.address[0]"),
         ({"listen": {"address": "[zz]:8080"}}, "listen.address[0]"),
         ({"listen": {"address": "[127.0.0.1]:8080"}}, "listen.address[0]"),
+        # IPv4-mapped: an IPv6 listener is v6-only, so serve stopped with "cannot listen ...:
+        # Invalid argument", exit 1, which Restart=on-failure repeats (found by review).
+        ({"listen": {"address": ["[::1]:0", "[::ffff:127.0.0.1]:8080"]}}, "listen.address[1]"),
+        ({"admin": {"address": "::ffff:10.0.0.1:9090"}}, "admin.address"),
         ({"admin": {"address": "user@127.0.0.1:9090"}}, "admin.address"),
         (
             {"routes": {"source": "redis", "redis_url": "redis://[::1:6379/0"}},
