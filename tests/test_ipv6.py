@@ -304,3 +304,25 @@ async def test_a_source_address_of_the_other_family_is_the_dial_reason(
         f"dial: the source address {source} is {families[source]}, "
         f"the upstream {guest} is {families[guest]}"
     )
+
+
+async def test_an_ipv4_mapped_route_is_judged_by_the_ipv4_address_it_reaches_too(
+    tmp_path: Path, envd: FakeEnvd
+) -> None:
+    """``::ffff:127.0.0.1`` is inside ``::/0`` as written, and an IPv6 socket connecting to it
+    reaches 127.0.0.1: with ``allowed_cidrs`` meant for IPv6 guests only, a route could point
+    relay at any IPv4 address, a host's own services or a metadata endpoint (found by review).
+    It is refused unless the IPv4 address is allowed as well."""
+    async with FakeApp(host="127.0.0.1") as v4_app:
+        mapped = [route("sbxmap", "::ffff:127.0.0.1", insecure=True)]
+        overrides = v6_overrides(envd, upstream={"allowed_cidrs": ["::/0"]})
+        async with running_relay(tmp_path, mapped, overrides) as relay:
+            assert relay.relay.table.get("sbxmap") is None
+            answer = await ask(relay, f"{v4_app.port}-sbxmap.{DOMAIN}")
+            assert answer.status == 502
+            assert v4_app.records == []
+
+        overrides = v6_overrides(envd, upstream={"allowed_cidrs": ["::/0", "127.0.0.0/8"]})
+        async with running_relay(tmp_path, mapped, overrides) as relay:
+            answer = await ask(relay, f"{v4_app.port}-sbxmap.{DOMAIN}")
+            assert answer.status == 200  # the IPv4 address is allowed too

@@ -78,6 +78,12 @@ def parse_route(obj: object, allowed: tuple[Network, ...]) -> Route | RouteError
         return bad("address must be an IPv4 or IPv6 literal without a zone (%)")
     if not any(ip in net for net in allowed):
         return bad("address is outside upstream.allowed_cidrs")
+    # An IPv4-mapped address (RFC 4291 §2.5.5.2) is dialled on an IPv6 socket that reaches the
+    # IPv4 address inside it: "::ffff:169.254.169.254" was inside "::/0", and relay dialled the
+    # metadata endpoint (found by review). What it reaches must be allowed too.
+    reached = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    if reached is not None and not any(reached in net for net in allowed):
+        return bad(f"address reaches {reached}, outside upstream.allowed_cidrs")
     insecure = obj.get("insecure", False)
     if not isinstance(insecure, bool):
         return bad("insecure must be a boolean")

@@ -90,6 +90,26 @@ def test_ipv6_address_is_normalised() -> None:
     assert result.address == "fd00::5"
 
 
+@pytest.mark.parametrize(
+    ("address", "allowed", "accepted"),
+    [
+        # An IPv4-mapped address reaches the IPv4 address inside it: both must be allowed.
+        ("::ffff:169.254.169.254", ["::/0"], False),
+        ("::ffff:10.0.0.5", ["::/0", "fc00::/7"], False),
+        ("::ffff:10.0.0.5", ["::ffff:0:0/96"], False),
+        ("::ffff:10.0.0.5", ["10.0.0.0/8"], False),  # as written, outside (hostile/conftest)
+        ("::ffff:10.0.0.5", ["::/0", "10.0.0.0/8"], True),
+        ("fd00::5", ["::/0"], True),
+    ],
+)
+def test_an_ipv4_mapped_address_is_judged_as_written_and_as_ipv4(
+    address: str, allowed: list[str], accepted: bool
+) -> None:
+    nets = tuple(ipaddress.ip_network(c) for c in allowed)
+    result = parse_route(with_(address=address), nets)
+    assert isinstance(result, Route) is accepted, result
+
+
 def test_one_bad_route_does_not_reject_the_others() -> None:
     routes, errors = parse_routes(
         [GOOD, with_(sandbox_id="b", address="8.8.8.8"), with_(sandbox_id="c")], ALLOWED
