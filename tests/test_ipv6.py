@@ -36,22 +36,10 @@ from tests.support.harness import (
     tls_listener,
     write_routes,
 )
+from tests.support.ipv6 import no_ipv6_loopback
 from tests.support.rawhttp import Connection, Response
 
-
-def _ipv6_loopback() -> str | None:
-    """Why IPv6 on ::1 cannot be tested here, or None when it can."""
-    if not socket.has_ipv6:
-        return "Python was built without IPv6"
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-    except OSError as exc:
-        return f"cannot bind ::1 ({exc.strerror})"
-    return None
-
-
-_NO_IPV6 = _ipv6_loopback()
+_NO_IPV6 = no_ipv6_loopback()
 pytestmark = pytest.mark.skipif(_NO_IPV6 is not None, reason=f"no IPv6 loopback: {_NO_IPV6}")
 
 ENVD_TOKEN = "tok-v6"

@@ -28,7 +28,10 @@ def redis_server_path() -> str | None:
 class RedisProcess:
     """One redis-server; ``start``/``kill``/``start`` again keeps its port and directory."""
 
-    def __init__(self, directory: Path, *, config_lines: list[str] | None = None) -> None:
+    def __init__(
+        self, directory: Path, *, config_lines: list[str] | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.host = host  # the loopback address it listens on: 127.0.0.1 or ::1
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -38,7 +41,8 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"redis://{host}:{self.port}"
 
     def _command(self) -> list[str]:
         binary = redis_server_path()
@@ -46,7 +50,7 @@ class RedisProcess:
             raise RuntimeError("redis-server not found (make test installs it)")
         common = [
             "--bind",
-            "127.0.0.1",
+            self.host,
             "--save",
             "",
             "--appendonly",
