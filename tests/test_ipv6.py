@@ -314,3 +314,22 @@ async def test_an_ipv4_mapped_route_is_judged_by_the_ipv4_address_it_reaches_too
         async with running_relay(tmp_path, mapped, overrides) as relay:
             answer = await ask(relay, f"{v4_app.port}-sbxmap.{DOMAIN}")
             assert answer.status == 200  # the IPv4 address is allowed too
+
+
+async def test_a_management_upstream_at_an_ipv6_address(
+    tmp_path: Path, app: FakeApp, envd: FakeEnvd
+) -> None:
+    """``management.upstream = "http://[::1]:port"`` is dialled at ::1, and a request that had
+    no Host (HTTP/1.0) gets the upstream's authority, brackets included (RFC 9112 §3.2)."""
+    overrides = v6_overrides(envd, management={"upstream": f"http://[::1]:{app.port}"})
+    async with running_relay(tmp_path, [], overrides) as relay:
+        conn = await Connection.open(relay.port, "::1")
+        try:
+            await conn.send(b"GET /sandboxes HTTP/1.0\r\n\r\n")
+            answer = await conn.read_response()
+        finally:
+            await conn.close()
+    assert answer.status == 404  # the fake's answer to a path it does not serve
+    (record,) = app.records
+    assert record.target == "/sandboxes"
+    assert dict(record.headers)["Host"] == f"[::1]:{app.port}"
