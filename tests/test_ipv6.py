@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -333,3 +334,44 @@ async def test_a_management_upstream_at_an_ipv6_address(
     (record,) = app.records
     assert record.target == "/sandboxes"
     assert dict(record.headers)["Host"] == f"[::1]:{app.port}"
+
+
+async def _turned_away(relay: RelayUnderTest, host: str, client_tls: ssl.SSLContext | None) -> bool:
+    try:
+        reader, writer = await asyncio.open_connection(
+            "::1", relay.port, ssl=client_tls, server_hostname=host if client_tls else None
+        )
+    except (ConnectionError, ssl.SSLError):
+        return True  # reset during the handshake
+    try:
+        writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        answer = await asyncio.wait_for(reader.read(), 5)
+    except (ConnectionError, ssl.SSLError):
+        return True
+    finally:
+        writer.close()
+    return not answer.startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize(
+    ("allowed", "admitted"), [(["127.0.0.0/8"], False), (["10.0.0.0/8", "::1/128"], True)]
+)
+async def test_allowed_clients_and_trusted_proxies_judge_an_ipv6_client(
+    tmp_path: Path, app: FakeApp, envd: FakeEnvd, tls: bool, allowed: list[str], admitted: bool
+) -> None:
+    """``listen.allowed_clients`` on a plain and a TLS listener (checked before the handshake)
+    and ``listen.trusted_proxies`` take an IPv6 client as its address: ``::1`` is in
+    ``::1/128``, not in ``127.0.0.0/8`` (no IPv4-mapped form on a v6-only listener)."""
+    listen: dict[str, Any] = {"allowed_clients": allowed, "trusted_proxies": ["127.0.0.0/8"]}
+    client_tls = None
+    if tls:
+        tls_overrides, client_tls = tls_listener(tmp_path / "pki")
+        listen.update(tls_overrides["listen"])
+    overrides = v6_overrides(envd, listen=listen)
+    async with running_relay(tmp_path, [route("sbxv6", "::1", insecure=True)], overrides) as relay:
+        host = f"{app.port}-sbxv6.{DOMAIN}"
+        assert await _turned_away(relay, host, client_tls) is not admitted
+        if admitted and not tls:
+            answer = await ask(relay, host, ("X-Forwarded-For", "192.0.2.7"))
+            assert "x-forwarded-for" not in received(answer)  # ::1 is no trusted proxy
