@@ -22,13 +22,15 @@ that list is an access control.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from relay.addresses import parse_http_url
-from relay.config import Config, ConfigError, in_networks, load, networks
+from relay.config import Config, ConfigError, load, networks
+from relay.core.routes import outside_allowed
 from relay.tlscheck import uncovered_domains
 
 if TYPE_CHECKING:
@@ -210,7 +212,7 @@ def _drop_routes_outside(relay: Relay) -> None:
     outside = [
         sandbox_id
         for sandbox_id, route in relay.table.routes.items()
-        if not in_networks(route.address, allowed)
+        if outside_allowed(ipaddress.ip_address(route.address), allowed) is not None
     ]
     if outside:
         log.warning("%d route(s) outside upstream.allowed_cidrs removed", len(outside))

@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from relay.config import parse
+from relay.config import load, parse
 from relay.runtime import Relay
 from relay.startup import StartupError
 from tests.support.fake_app import FakeApp
@@ -35,6 +35,8 @@ from tests.support.harness import (
     route,
     running_relay,
     tls_listener,
+    to_toml,
+    until,
     write_routes,
 )
 from tests.support.ipv6 import no_ipv6_loopback
@@ -375,3 +377,32 @@ async def test_allowed_clients_and_trusted_proxies_judge_an_ipv6_client(
         if admitted and not tls:
             answer = await ask(relay, host, ("X-Forwarded-For", "192.0.2.7"))
             assert "x-forwarded-for" not in received(answer)  # ::1 is no trusted proxy
+
+
+async def test_narrowing_allowed_cidrs_drops_a_mapped_route_whose_ipv4_address_left_them(
+    tmp_path: Path, envd: FakeEnvd
+) -> None:
+    """A reload (SIGHUP) that narrows ``upstream.allowed_cidrs`` removes the routes now outside
+    at once, by the rule the feeds apply: a route at ``::ffff:127.0.0.1`` stays inside
+    ``::/0`` as written, but the IPv4 address it reaches no longer is (found by review)."""
+    async with FakeApp(host="127.0.0.1") as v4_app:
+        data = config_data(tmp_path, v6_overrides(envd))
+        data["upstream"]["allowed_cidrs"] = ["::/0", "127.0.0.0/8"]
+        config_file = tmp_path / "relay.toml"
+        config_file.write_text(to_toml(data))
+        write_routes(tmp_path / "routes.json", [route("sbxmap", "::ffff:127.0.0.1", insecure=True)])
+        relay = Relay(load(config_file))
+        await relay.start()
+        try:
+            under_test = RelayUnderTest(relay, tmp_path / "routes.json")
+            await until(relay.ready)
+            host = f"{v4_app.port}-sbxmap.{DOMAIN}"
+            assert (await ask(under_test, host)).status == 200
+            (tmp_path / "routes.json").write_text("{ half-written")  # the feed keeps its table
+            data["upstream"]["allowed_cidrs"] = ["::/0"]
+            config_file.write_text(to_toml(data))
+            relay.reload()
+            assert relay.table.get("sbxmap") is None
+            assert (await ask(under_test, host)).status == 502
+        finally:
+            await relay.stop()

@@ -50,6 +50,22 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def outside_allowed(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address, allowed: tuple[Network, ...]
+) -> str | None:
+    """Why a route may not point at ``ip`` (SPEC §3: inside ``upstream.allowed_cidrs``), or
+    None. The feeds and a reload that narrows the CIDRs (relay.reload) ask the same."""
+    if not any(ip in net for net in allowed):
+        return "address is outside upstream.allowed_cidrs"
+    # An IPv4-mapped address (RFC 4291 §2.5.5.2) is dialled on an IPv6 socket that reaches the
+    # IPv4 address inside it: "::ffff:169.254.169.254" was inside "::/0", and relay dialled the
+    # metadata endpoint (found by review). What it reaches must be allowed too.
+    reached = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    if reached is not None and not any(reached in net for net in allowed):
+        return f"address reaches {reached}, outside upstream.allowed_cidrs"
+    return None
+
+
 def parse_route(obj: object, allowed: tuple[Network, ...]) -> Route | RouteError:
     """Validate one route object. Unknown fields or a field breaking its rule reject it."""
     if not isinstance(obj, dict):
@@ -76,14 +92,9 @@ def parse_route(obj: object, allowed: tuple[Network, ...]) -> Route | RouteError
         # "fd00::1%<zone>": ipaddress takes any zone text and ``in`` ignores it, and a zone
         # that getaddrinfo cannot encode failed every dial (found by review).
         return bad("address must be an IPv4 or IPv6 literal without a zone (%)")
-    if not any(ip in net for net in allowed):
-        return bad("address is outside upstream.allowed_cidrs")
-    # An IPv4-mapped address (RFC 4291 §2.5.5.2) is dialled on an IPv6 socket that reaches the
-    # IPv4 address inside it: "::ffff:169.254.169.254" was inside "::/0", and relay dialled the
-    # metadata endpoint (found by review). What it reaches must be allowed too.
-    reached = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    if reached is not None and not any(reached in net for net in allowed):
-        return bad(f"address reaches {reached}, outside upstream.allowed_cidrs")
+    outside = outside_allowed(ip, allowed)
+    if outside is not None:
+        return bad(outside)
     insecure = obj.get("insecure", False)
     if not isinstance(insecure, bool):
         return bad("insecure must be a boolean")
