@@ -268,7 +268,7 @@ def validate(config: Config) -> None:
     listen, up, routes = config.listen, config.upstream, config.routes
     _check(bool(listen.addresses), "listen.address", "at least one address")
     for i, addr in enumerate(listen.addresses):
-        _check(split_address(addr) is not None, f"listen.address[{i}]", f"bad address {addr!r}")
+        _check(split_address(addr) is not None, f"listen.address[{i}]", _bad_address(addr))
     _check(
         bool(listen.tls_cert) == bool(listen.tls_key),
         "listen.tls_key",
@@ -299,7 +299,8 @@ def validate(config: Config) -> None:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
                 raise ConfigError(f"{key}[{i}]: not a CIDR: {cidr!r}") from None
-    _check(split_address(config.admin.address) is not None, "admin.address", "bad address")
+    admin = config.admin.address
+    _check(split_address(admin) is not None, "admin.address", _bad_address(admin))
     _check_distinct_addresses(config)
     _check_not_mapped(config)
     _check(bool(config.routing.domains), "routing.domains", "at least one domain")
@@ -386,6 +387,10 @@ def _check_source_family(config: Config) -> None:
         key,
         f"{what}, and cannot dial management.upstream {management}",
     )
+
+
+def _bad_address(address: str) -> str:
+    return f"bad address {address!r}: write host:port, an IPv6 host in brackets ([::1]:8080)"
 
 
 def _check_not_mapped(config: Config) -> None:

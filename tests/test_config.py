@@ -182,6 +182,33 @@ def test_domains_in_any_case_and_with_a_root_dot_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(
+    ("section", "address"),
+    [
+        ("listen", "[::1:8080"),
+        ("listen", "::1]:8080"),
+        ("listen", "[::1]"),
+        ("listen", "[::1]:"),
+        ("listen", "[::1]:65536"),
+        ("admin", "::1"),
+        ("admin", "[fe80::1]x:80"),
+    ],
+)
+def test_a_malformed_ipv6_address_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str, address: str
+) -> None:
+    """The line names the key and the value, and says the form (review E: admin.address said
+    only "bad address", and neither said that IPv6 goes in brackets)."""
+    path = tmp_path / "relay.toml"
+    path.write_text(f'[{section}]\naddress = "{address}"\n')
+    assert main(["check-config", "--offline", "--config", str(path)]) == 2
+    key = "listen.address[0]" if section == "listen" else "admin.address"
+    assert capsys.readouterr().err.splitlines() == [
+        f"relay: config error: {key}: bad address {address!r}: write host:port, an IPv6 host "
+        "in brackets ([::1]:8080)"
+    ]
+
+
+@pytest.mark.parametrize(
     ("listen", "admin", "key"),
     [
         (["127.0.0.1:8080", "127.0.0.1:8080"], "127.0.0.1:9090", "listen.address[1]"),
