@@ -141,7 +141,8 @@ def test_bad_config_names_the_key(data: dict[str, object], key: str) -> None:
         ),
         (
             '[listen]\naddress = ["127.0.0.1:8080", "127.0.0.1"]\n',
-            "listen.address[1]: bad address '127.0.0.1'",
+            "listen.address[1]: bad address '127.0.0.1': write host:port, an IPv6 host in brackets "
+            "([::1]:8080)",
         ),
         # The value out of range, not only its place.
         (
