@@ -153,7 +153,7 @@ class Exchange(Respond):
         decision = self.decision
         assert isinstance(decision, Forward)
         self.client.resume(PAUSE_DIAL)
-        reject = failures.unreachable(decision)
+        reject = failures.unreachable(decision, exhausted=exc.exhausted)
         self.reason = f"dial: {exc}"
         self.answer(reject)
 

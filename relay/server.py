@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
+from relay.core.failures import OVERLOADED_RETRY_AFTER_S
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import (
     FIELDS_PER_EVENT,
@@ -432,7 +433,8 @@ class ClientConnection(Slices, asyncio.Protocol):
         if self.overloaded:
             # SPEC §5a: past listen.max_connections relay answers 503 and closes.
             self.relay.timers.head_done(self)
-            self.refuse(Reject(reason=Reason.OVERLOADED, retry_after=1), head=head)
+            overloaded = Reject(reason=Reason.OVERLOADED, retry_after=OVERLOADED_RETRY_AFTER_S)
+            self.refuse(overloaded, head=head)
             return
         exchange = Exchange(self, head, keep_alive=keep_alive)
         self.receiving = exchange

@@ -13,7 +13,9 @@ of the same one, never inherits a connection of the old one (SPEC §4).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import resource
 import socket
 import time
 from collections.abc import Callable
@@ -47,6 +49,14 @@ KEEPALIVE_OPTIONS = (
     (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 15),
     (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 9),
 )
+
+
+# A socket relay could not make for want of its own resources, not the upstream's: its
+# descriptor limit (EMFILE, RLIMIT_NOFILE), the system's (ENFILE), kernel memory. Answered 503
+# (relay.core.failures.unreachable), and logged at most once per EXHAUSTED_LOG_S: at the limit
+# every request fails so, hundreds of lines a second.
+EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+EXHAUSTED_LOG_S = 10.0
 
 
 def keep_alive_probes(sock: socket.socket) -> None:
@@ -227,11 +237,13 @@ def _made(made: list[UpstreamConnection], conn: UpstreamConnection) -> UpstreamC
 
 
 class DialError(Exception):
-    """The upstream could not be reached; ``refused`` when it actively refused."""
+    """The upstream could not be reached; ``refused`` when it actively refused, ``exhausted``
+    when relay could not make the socket (:data:`EXHAUSTED`)."""
 
-    def __init__(self, message: str, *, refused: bool) -> None:
+    def __init__(self, message: str, *, refused: bool, exhausted: bool = False) -> None:
         super().__init__(message)
         self.refused = refused
+        self.exhausted = exhausted
 
 
 class Pool:
@@ -260,6 +272,7 @@ class Pool:
         # left to take at the close or the upstream's last progress, and when.
         self._closing: dict[UpstreamConnection, tuple[int, float]] = {}
         self.opened = 0  # open upstream connections, idle or in use
+        self._exhausted_logged = -EXHAUSTED_LOG_S  # when a dial out of descriptors was logged
 
     def acquire(self, key: PoolKey, max_idle_s: float = 0.0) -> UpstreamConnection | None:
         """The most recently released live connection for ``key``, or None (dial one).
@@ -408,12 +421,26 @@ class Pool:
             except OSError as exc:
                 if observer is not None:
                     observer.dial_failed("error")
+                message = exc.strerror or type(exc).__name__
+                exhausted = exc.errno in EXHAUSTED
+                if exhausted:
+                    self._log_exhausted(message)
                 reason = family_mismatch(self.source_address, key.address)
-                raise DialError(
-                    reason or exc.strerror or type(exc).__name__, refused=False
-                ) from None
+                raise DialError(reason or message, refused=False, exhausted=exhausted) from None
             except ValueError as exc:  # an address getaddrinfo cannot take (UnicodeError)
                 if observer is not None:
                     observer.dial_failed("error")
                 raise DialError(type(exc).__name__, refused=False) from None
         raise AssertionError("unreachable")
+
+    def _log_exhausted(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._exhausted_logged < EXHAUSTED_LOG_S:
+            return
+        self._exhausted_logged = now
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        log.warning(
+            "upstream dials fail: %s (descriptor limit %d); answering 503 until some are free",
+            message.lower(),
+            soft,
+        )

@@ -8,6 +8,7 @@ sandbox (``sandboxId``).
 | failure                                 | sandbox              | management upstream        |
 |-----------------------------------------|----------------------|----------------------------|
 | no connection (refused, timed out)      | 502 port_closed      | 502 management_unavailable |
+| no socket: relay's own limits (EMFILE)  | 503 overloaded       | 503 overloaded             |
 | closed before the response head         | 502 upstream_error   | 502 management_unavailable |
 | a response that cannot be relayed       | 502 upstream_error   | 502 upstream_error         |
 | the route was removed (SPEC §3)         | 502 not_found        |                            |
@@ -21,6 +22,8 @@ from relay.core.model import Decision, Forward, Kind, Reason, Reject
 
 # A draining relay's answer: retry in a second, on another relay behind the same name.
 DRAINING_RETRY_AFTER_S = 1
+# An overloaded relay's (past listen.max_connections, or out of descriptors): the same.
+OVERLOADED_RETRY_AFTER_S = 1
 
 
 def sandbox_of(decision: Decision | None) -> str | None:
@@ -29,8 +32,23 @@ def sandbox_of(decision: Decision | None) -> str | None:
     return None
 
 
-def unreachable(decision: Forward) -> Reject:
-    """The upstream could not be dialled (after the retries of ``relay.upstreams``)."""
+def unreachable(decision: Forward, *, exhausted: bool = False) -> Reject:
+    """The upstream could not be dialled (after the retries of ``relay.upstreams``).
+
+    ``exhausted``: relay could not even make the socket (its descriptor limit, EMFILE; the
+    system's, ENFILE; kernel memory). Nothing was learnt about the upstream: relay is
+    overloaded (SPEC §5: 503 with Retry-After, as past ``listen.max_connections``). A 502
+    "port is not open" blamed the guest: SDK 2.63 turns it into SandboxUnreachableException,
+    and the access log and ``relay_refusals_total`` said port_closed (found by review, at a
+    lowered RLIMIT_NOFILE). A CORS preflight still gets envd's 204, as for relay's other 503s.
+    """
+    if exhausted:
+        return Reject(
+            reason=Reason.OVERLOADED,
+            retry_after=OVERLOADED_RETRY_AFTER_S,
+            sandbox_id=sandbox_of(decision),
+            envd_preflight=decision.envd_preflight,
+        )
     if decision.kind is Kind.MANAGEMENT:
         return Reject(reason=Reason.MANAGEMENT_UNAVAILABLE)
     assert decision.target is not None

@@ -1,0 +1,143 @@
+"""relay at its descriptor limit (``RLIMIT_NOFILE``): a proxy holds two descriptors per proxied
+connection, so running out of them is an ordinary production failure, not a crash.
+
+Each test lowers the soft limit of a real ``relay serve`` (``prlimit``, from outside: the
+hard limit stays, so it can be raised again) to what it holds at rest, or one more, and
+checks that relay sheds the work it cannot take, stays quiet and up, and serves again once
+descriptors are free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import DOMAIN, RelayProcess, route
+from tests.support.ops import get, value
+from tests.support.rawhttp import Connection, request, request_bytes
+
+NOFILE = resource.RLIMIT_NOFILE
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _settled_fds(pid: int) -> int:
+    """The process's descriptor count once it stopped moving (the start-up's readiness
+    probes and admin connections closed)."""
+    last, same = -1, 0
+    deadline = time.monotonic() + 5
+    while same < 3:
+        count = _open_fds(pid)
+        same = same + 1 if count == last else 0
+        last = count
+        assert time.monotonic() < deadline, "descriptor count never settled"
+        await asyncio.sleep(0.05)
+    return last
+
+
+def _set_soft_limit(pid: int, soft: int) -> None:
+    _, hard = resource.prlimit(pid, NOFILE)
+    resource.prlimit(pid, NOFILE, (soft, hard))
+
+
+@pytest.fixture
+async def closing_upstream() -> AsyncIterator[int]:
+    """An app that answers each request and closes, so that every request dials."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+
+
+async def _worker_pids(relay: RelayProcess) -> list[int]:
+    """The processes that serve the data port: the workers, or relay itself."""
+    assert relay.proc is not None
+    _, body = await get(relay.admin_port, "/readyz")
+    workers = json.loads(body).get("workers")
+    if not workers:
+        return [relay.proc.pid]
+    pids = [w["pid"] for w in workers]
+    assert all(isinstance(pid, int) for pid in pids)
+    return pids
+
+
+GAUGES = ("relay_client_connections", "relay_active_exchanges", "relay_upstream_connections")
+
+
+async def _settled_metrics(relay: RelayProcess, overloaded: int) -> str:
+    """The metrics once every connection gauge is back at 0 and ``overloaded`` refusals were
+    counted (workers write their snapshots once a second, and not while out of descriptors)."""
+    deadline = time.monotonic() + 5
+    while True:
+        text = (await get(relay.admin_port, "/metrics"))[1].decode()
+        seen = {name: value(text, name) for name in GAUGES}
+        seen["overloaded"] = value(text, "relay_refusals_total", reason="overloaded")
+        wanted = dict.fromkeys(GAUGES, 0.0) | {"overloaded": overloaded}
+        if seen == wanted or time.monotonic() > deadline:
+            assert seen == wanted
+            return text
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_dial_at_the_descriptor_limit_is_answered_503_and_recovers(
+    tmp_path: Path, closing_upstream: int, workers: int
+) -> None:
+    """The client's connection took the last descriptor, so the upstream's ``socket()``
+    fails with EMFILE: relay is overloaded (SPEC §5: 503 with Retry-After, as past
+    ``listen.max_connections``), not the sandbox's port closed. Before, the client got 502
+    "The sandbox is running but port is not open", which SDK 2.63 turns into
+    SandboxUnreachableException, and which blames the guest in the access log and metrics."""
+    overrides = {"process": {"workers": workers}, "listen": {"max_connections": 1000}}
+    relay = RelayProcess(tmp_path, [route("box", insecure=True)], overrides)
+    relay.start(timeout=20)
+    host = f"{closing_upstream}-box.{DOMAIN}"
+    try:
+        pids = await _worker_pids(relay)
+        limits = {pid: resource.prlimit(pid, NOFILE)[0] for pid in pids}
+        for pid in pids:  # one descriptor left: the client's
+            _set_soft_limit(pid, await _settled_fds(pid) + 1)
+        for _ in range(2 * workers):  # SO_REUSEPORT spreads connections over the workers
+            conn = await Connection.open(relay.port)
+            try:
+                await conn.send(request_bytes("GET", "/", host))
+                answer = await conn.read_response()
+                assert answer.status == 503, answer
+                assert answer.json() == {
+                    "code": 503,
+                    "message": "relay has too many open connections",
+                    "sandboxId": "box",
+                }
+                assert answer.header("Retry-After") == "1"
+                assert await conn.closed_by_peer()  # shed: its descriptor is freed at once
+            finally:
+                await conn.close()
+        for pid, soft in limits.items():
+            _set_soft_limit(pid, soft)
+        text = await _settled_metrics(relay, overloaded=2 * workers)
+        assert value(text, "relay_refusals_total", reason="port_closed") == 0
+        assert (await request(relay.port, "GET", "/", host)).status == 200
+    finally:
+        relay.stop()
+    output = relay.output()
+    assert "Traceback" not in output
+    # One warning per process, not a line per request (hundreds a second at the limit).
+    assert 1 <= output.count("upstream dials fail: too many open files") <= workers
