@@ -401,11 +401,14 @@ class RedisFeed:
             )
             _honour_cancel()
             self._ok()
+            read = await self._read_to_end(client, position.last_id)
             # The backoff starts again only once following works, not after a snapshot: a
             # fault that always strikes right after one (an ACL without XREAD) reloaded the
-            # whole table in a tight loop (found by review).
+            # whole table in a tight loop (found by review). Nor after the wake-up alone: the
+            # read takes a connection of its own (redis-py's pipeline), and when it could not
+            # have one (relay at its descriptor limit, Redis at maxclients) the table was
+            # reloaded after every wake-up (found by review).
             self._attempt = 0
-            read = await self._read_to_end(client, position.last_id)
             if read is None:
                 self.gaps += 1
                 log.warning("route feed: backlog over %d entries, resyncing", self.max_backlog)

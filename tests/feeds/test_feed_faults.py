@@ -170,6 +170,35 @@ async def test_a_follow_that_always_fails_backs_off(
         await relay.stop()
 
 
+async def test_a_follow_whose_second_connection_fails_backs_off(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
+) -> None:
+    """Following takes two connections (the blocking wake-up, then redis-py's pipeline takes
+    one of its own for the MULTI read). When only one can be had, the wake-up worked, reset the
+    backoff, and the pipeline's connect failed: the whole table was reloaded after every
+    wake-up, about once per ``block_ms``, for as long as it lasted (found by review at a
+    lowered RLIMIT_NOFILE, where relay had one descriptor to spare; Redis's ``maxclients``,
+    used here, does the same). The backoff grows now."""
+    await load_hash(writer, [route(f"s{i}") for i in range(200)])
+    relay = await start_relay(relay_config(tmp_path, redis_proc.url), block_ms=100)
+    try:
+        feed = redis_feed(relay)
+        await wait_for(lambda: feed.snapshots == 1 and feed.position is not None, 5, "following")
+        await asyncio.sleep(0.3)  # past a wake-up: the pipeline's connection is open too
+        clients = await writer.client_list()
+        mine = len(clients) - 2  # relay holds two
+        await writer.config_set("maxclients", mine + 1)
+        await writer.execute_command(  # type: ignore[no-untyped-call]
+            "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"
+        )
+        await wait_for(lambda: feed.failures >= 1, 5, "the first failure")
+        await asyncio.sleep(3.0)
+        assert feed.failures >= 3  # it does fail, every time
+        assert feed.snapshots <= 7  # 1 + at most 6 retries whose delays add up to >= 3 s
+    finally:
+        await relay.stop()
+
+
 class ThrottledProxy:
     """A TCP proxy to Redis whose replies arrive at ``rate`` bytes per second: a table that takes
     longer to arrive than the read timeout a hang is noticed by (a large fleet, a slow link)."""
