@@ -77,7 +77,15 @@ def add_routes(app: web.Application, relay: Relay) -> None:
 
 def _metrics_handler(registry: CollectorRegistry) -> Handler:
     async def handler(_request: web.Request) -> web.Response:
-        body = metrics.exposition(registry)
+        try:
+            body = metrics.exposition(registry)
+        except OSError as exc:
+            # The supervisor's merge reads the workers' snapshot files; at its descriptor
+            # limit (EMFILE) aiohttp logged a traceback per scrape and answered 500. A failed
+            # scrape, not a partial one: sums without a worker go backwards.
+            SERVER_LOG.warning("/metrics: cannot read the workers' metrics: %s", exc.strerror)
+            message = f"cannot read the workers' metrics: {exc.strerror}"
+            return web.json_response({"code": 503, "message": message}, status=503)
         return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
 
     return handler

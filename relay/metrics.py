@@ -363,10 +363,16 @@ def read_snapshots(directory: Path) -> dict[int, Snapshot]:
 
 
 def _read(path: Path) -> Snapshot | None:
+    """A snapshot file's content; None when it is gone (retired since the directory was
+    listed) or torn. Any other error (EMFILE: the supervisor at its descriptor limit) is
+    raised: read as missing, that worker's counters left the sums, which went backwards
+    (a counter reset to Prometheus), and ``retire`` deleted a dead worker's file unfolded."""
     try:
         snap = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # being replaced, or truncated by a crash: the next scrape reads it
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None  # torn by a crash (a temporary file): the next scrape reads it
     if isinstance(snap, dict) and isinstance(snap.get("pid"), int) and well_formed(snap):
         return snap
     return None

@@ -32,7 +32,8 @@ def _open_fds(pid: int) -> int:
 
 async def _settled_fds(pid: int) -> int:
     """The process's descriptor count once it stopped moving (the start-up's readiness
-    probes and admin connections closed)."""
+    probes and admin connections closed). The limit bounds descriptor numbers, not their
+    count: the numbers in use must be 0 to count - 1 for count + k to leave k free."""
     last, same = -1, 0
     deadline = time.monotonic() + 5
     while same < 3:
@@ -41,6 +42,7 @@ async def _settled_fds(pid: int) -> int:
         last = count
         assert time.monotonic() < deadline, "descriptor count never settled"
         await asyncio.sleep(0.05)
+    assert max(int(fd) for fd in os.listdir(f"/proc/{pid}/fd")) == last - 1, "a hole"
     return last
 
 
@@ -141,3 +143,30 @@ async def test_a_dial_at_the_descriptor_limit_is_answered_503_and_recovers(
     assert "Traceback" not in output
     # One warning per process, not a line per request (hundreds a second at the limit).
     assert 1 <= output.count("upstream dials fail: too many open files") <= workers
+
+
+async def test_the_supervisors_metrics_at_its_descriptor_limit_fail_cleanly(tmp_path: Path) -> None:
+    """With workers, ``/metrics`` reads the workers' snapshot files. With the admin client's
+    connection on the supervisor's last descriptor, the directory could not be listed: aiohttp
+    logged a traceback per scrape and answered 500. Now a 503 and one line; and a snapshot
+    that cannot be read fails the scrape instead of leaving that worker's counters out of the
+    sums (totals that went backwards for one scrape read as a counter reset)."""
+    relay = RelayProcess(tmp_path, [route("box", insecure=True)], {"process": {"workers": 2}})
+    relay.start(timeout=20)
+    try:
+        assert relay.proc is not None
+        pid = relay.proc.pid
+        soft = resource.prlimit(pid, NOFILE)[0]
+        _set_soft_limit(pid, await _settled_fds(pid) + 1)  # the scrape's connection's
+        status, body = await get(relay.admin_port, "/metrics")
+        assert status == 503
+        assert json.loads(body)["code"] == 503
+        _set_soft_limit(pid, soft)
+        status, body = await get(relay.admin_port, "/metrics")
+        assert status == 200
+        assert value(body.decode(), "relay_workers", state="ready") == 2
+    finally:
+        relay.stop()
+    output = relay.output()
+    assert "Traceback" not in output
+    assert output.count("cannot read the workers' metrics") == 1
