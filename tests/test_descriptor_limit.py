@@ -99,61 +99,73 @@ async def _settled_metrics(relay: RelayProcess, overloaded: int) -> str:
         await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-async def test_a_dial_at_the_descriptor_limit_is_answered_503_and_recovers(
-    tmp_path: Path, closing_upstream: int, workers: int
-) -> None:
-    """The client's connection took the last descriptor, so the upstream's ``socket()``
-    fails with EMFILE: relay is overloaded (SPEC §5: 503 with Retry-After, as past
-    ``listen.max_connections``), not the sandbox's port closed. Before, the client got 502
-    "The sandbox is running but port is not open", which SDK 2.63 turns into
-    SandboxUnreachableException, and which blames the guest in the access log and metrics."""
-    overrides = {"process": {"workers": workers}, "listen": {"max_connections": 1000}}
-    relay = RelayProcess(tmp_path, [route("box", insecure=True)], overrides)
-    relay.start(timeout=20)
-    host = f"{closing_upstream}-box.{DOMAIN}"
-    try:
-        pids = await _worker_pids(relay)
-        limits = {pid: resource.prlimit(pid, NOFILE)[0] for pid in pids}
-        for pid in pids:  # one descriptor left: the client's
-            _set_soft_limit(pid, await _settled_fds(pid) + 1)
-        for _ in range(2 * workers):  # SO_REUSEPORT spreads connections over the workers
-            conn = await Connection.open(relay.port)
-            try:
-                await conn.send(request_bytes("GET", "/", host))
-                answer = await conn.read_response()
-                assert answer.status == 503, answer
-                assert answer.json() == {
-                    "code": 503,
-                    "message": "relay has too many open connections",
-                    "sandboxId": "box",
-                }
-                assert answer.header("Retry-After") == "1"
-                assert await conn.closed_by_peer()  # shed: its descriptor is freed at once
-            finally:
-                await conn.close()
-        for pid, soft in limits.items():
-            _set_soft_limit(pid, soft)
-        text = await _settled_metrics(relay, overloaded=2 * workers)
-        assert value(text, "relay_refusals_total", reason="port_closed") == 0
-        assert (await request(relay.port, "GET", "/", host)).status == 200
-    finally:
-        relay.stop()
-    output = relay.output()
+async def _dials_at_the_limit(relay: RelayProcess, host: str, workers: int) -> None:
+    """The client's connection takes each worker's last descriptor, so the upstream's
+    ``socket()`` fails with EMFILE: 503 overloaded, the connection closed, the gauges back at
+    0, and 200 again once the limit is raised."""
+    pids = await _worker_pids(relay)
+    limits = {pid: resource.prlimit(pid, NOFILE)[0] for pid in pids}
+    for pid in pids:  # one descriptor left: the client's
+        _set_soft_limit(pid, await _settled_fds(pid) + 1)
+    for _ in range(2 * workers):  # SO_REUSEPORT spreads connections over the workers
+        conn = await Connection.open(relay.port)
+        try:
+            await conn.send(request_bytes("GET", "/", host))
+            answer = await conn.read_response()
+            assert answer.status == 503, answer
+            assert answer.json() == {
+                "code": 503,
+                "message": "relay has too many open connections",
+                "sandboxId": "box",
+            }
+            assert answer.header("Retry-After") == "1"
+            assert await conn.closed_by_peer()  # shed: its descriptor is freed at once
+        finally:
+            await conn.close()
+    for pid, soft in limits.items():
+        _set_soft_limit(pid, soft)
+    text = await _settled_metrics(relay, overloaded=2 * workers)
+    assert value(text, "relay_refusals_total", reason="port_closed") == 0
+    assert (await request(relay.port, "GET", "/", host)).status == 200
+
+
+def _quiet(output: str, workers: int) -> None:
     assert "Traceback" not in output
     # One warning per process, not a line per request (hundreds a second at the limit).
     assert 1 <= output.count("upstream dials fail: too many open files") <= workers
 
 
-async def test_the_supervisors_metrics_at_its_descriptor_limit_fail_cleanly(tmp_path: Path) -> None:
-    """With workers, ``/metrics`` reads the workers' snapshot files. With the admin client's
-    connection on the supervisor's last descriptor, the directory could not be listed: aiohttp
-    logged a traceback per scrape and answered 500. Now a 503 and one line; and a snapshot
-    that cannot be read fails the scrape instead of leaving that worker's counters out of the
-    sums (totals that went backwards for one scrape read as a counter reset)."""
-    relay = RelayProcess(tmp_path, [route("box", insecure=True)], {"process": {"workers": 2}})
+async def test_a_dial_at_the_descriptor_limit_is_answered_503_and_recovers(
+    tmp_path: Path, closing_upstream: int
+) -> None:
+    """Relay is overloaded (SPEC §5: 503 with Retry-After, as past
+    ``listen.max_connections``), not the sandbox's port closed. Before, the client got 502
+    "The sandbox is running but port is not open", which SDK 2.63 turns into
+    SandboxUnreachableException, and which blamed the guest in the access log and metrics."""
+    overrides = {"listen": {"max_connections": 1000}}
+    relay = RelayProcess(tmp_path, [route("box", insecure=True)], overrides)
+    relay.start()
+    try:
+        await _dials_at_the_limit(relay, f"{closing_upstream}-box.{DOMAIN}", workers=1)
+    finally:
+        relay.stop()
+    _quiet(relay.output(), workers=1)
+
+
+async def test_two_workers_and_their_supervisor_at_the_descriptor_limit(
+    tmp_path: Path, closing_upstream: int
+) -> None:
+    """Each worker answers its dials 503, as one relay does. The supervisor's ``/metrics``
+    reads the workers' snapshot files: with the scrape's connection on its last descriptor,
+    the directory could not be listed, and aiohttp logged a traceback per scrape and answered
+    500. Now a 503 and one line; and a snapshot that cannot be read fails the scrape instead
+    of leaving that worker's counters out of the sums (totals that went backwards for one
+    scrape read as a counter reset)."""
+    overrides = {"process": {"workers": 2}, "listen": {"max_connections": 1000}}
+    relay = RelayProcess(tmp_path, [route("box", insecure=True)], overrides)
     relay.start(timeout=20)
     try:
+        await _dials_at_the_limit(relay, f"{closing_upstream}-box.{DOMAIN}", workers=2)
         assert relay.proc is not None
         pid = relay.proc.pid
         soft = resource.prlimit(pid, NOFILE)[0]
@@ -168,5 +180,48 @@ async def test_the_supervisors_metrics_at_its_descriptor_limit_fail_cleanly(tmp_
     finally:
         relay.stop()
     output = relay.output()
-    assert "Traceback" not in output
+    _quiet(output, workers=2)
     assert output.count("cannot read the workers' metrics") == 1
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_accepts_at_the_descriptor_limit_are_shed_quietly_and_resume(
+    tmp_path: Path, closing_upstream: int
+) -> None:
+    """No descriptor left for an accept (``listen.max_connections`` far above what the limit
+    allows): libuv's EMFILE trick (a spare descriptor closed, the pending connections accepted
+    and closed, the spare taken again) sheds them. Checked: no log line per failed accept, no
+    busy loop on a listening socket that stays readable, and accepts resume once descriptors
+    are free. (A failure that libuv does pass on, ENFILE with the spare lost, makes uvloop
+    close the listener for good: not reproducible here.)"""
+    overrides = {"listen": {"max_connections": 10000}}
+    relay = RelayProcess(tmp_path, [route("box", insecure=True)], overrides)
+    relay.start()
+    host = f"{closing_upstream}-box.{DOMAIN}"
+    try:
+        assert relay.proc is not None
+        pid = relay.proc.pid
+        soft = resource.prlimit(pid, NOFILE)[0]
+        _set_soft_limit(pid, await _settled_fds(pid))
+        logged = len(relay.output())
+        cpu = _cpu_s(pid)
+        for _ in range(20):
+            conn = await Connection.open(relay.port)
+            try:
+                await conn.send(request_bytes("GET", "/", host))
+                assert await conn.closed_by_peer()  # no answer: no descriptor to write it on
+            finally:
+                await conn.close()
+        await asyncio.sleep(0.5)
+        assert _cpu_s(pid) - cpu < 0.3  # 20 shed accepts and an idle half-second
+        assert len(relay.output()) == logged
+        _set_soft_limit(pid, soft)
+        assert (await request(relay.port, "GET", "/", host)).status == 200
+        await _settled_metrics(relay, overloaded=0)
+    finally:
+        relay.stop()
+    assert "Traceback" not in relay.output()
