@@ -167,11 +167,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     from relay import workers  # noqa: PLC0415
     from relay.runtime import serve  # noqa: PLC0415
-    from relay.startup import StartupError, tune_allocator, tune_gc  # noqa: PLC0415
+    from relay.startup import (  # noqa: PLC0415
+        StartupError,
+        tune_allocator,
+        tune_gc,
+        tune_open_files,
+    )
     from relay.supervision import supervises  # noqa: PLC0415
 
     tune_allocator()
     tune_gc()
+    tune_open_files(config.listen.max_connections, warn=not supervises(config))
 
     try:
         if supervises(config):  # process.workers > 1 (relay.workers)

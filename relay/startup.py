@@ -1,17 +1,25 @@
 """Before relay serves: refuse an unsafe machine, and tune the process for the data path.
 
-``check_parsers`` runs in :meth:`relay.runtime.Relay.start`; the two ``tune_*`` functions run
+``check_parsers`` runs in :meth:`relay.runtime.Relay.start`; the ``tune_*`` functions run
 once per process in ``relay serve`` (each worker included) before the event loop starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import resource
 import socket
 from collections.abc import Iterator
 
 from relay.addresses import authority
+
+log = logging.getLogger("relay")
+
+# Descriptors a relay holds besides its connections' (listeners, the event loop's, libuv's
+# spare, the feed's, admin connections, idle pooled upstream connections), with room to spare.
+FIXED_DESCRIPTORS = 128
 
 
 class StartupError(RuntimeError):
@@ -109,3 +117,39 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 50, 100)
+
+
+def tune_open_files(max_connections: int, *, warn: bool = True) -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard one; the soft limit relay runs with.
+
+    A proxied connection holds two descriptors (client and upstream), and
+    ``listen.max_connections`` (10,000 by default) needs twice that. systemd (240 and later)
+    and most shells start a service with a soft limit of 1,024 and a far higher hard one, for
+    programs that still use ``select()`` (which breaks past descriptor 1,023); a program that
+    needs more raises its soft limit itself, as Go's runtime does for every Go program (E2B's
+    proxy among them). relay never calls ``select()`` (uvloop uses epoll; relay.closing
+    polls). Without this, a relay run outside the shipped unit (``LimitNOFILE=131072``) shed
+    connections past ~500 while its configuration allowed 10,000 (found by review). When
+    even the hard limit is short of what ``max_connections`` needs, one warning says so
+    (``warn``: not in a supervisor, whose workers, holding the connections, warn each).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 2 * max_connections + FIXED_DESCRIPTORS
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
+    if soft != resource.RLIM_INFINITY and target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError):  # over fs.nr_open: keep what was given
+            pass
+    if warn and soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning(
+            "the open-file limit (%d) is below the %d that listen.max_connections = %d needs "
+            "(two descriptors per connection): past about %d connections relay sheds new "
+            "ones and answers 503; raise LimitNOFILE (ulimit -n)",
+            soft,
+            needed,
+            max_connections,
+            max(0, (soft - FIXED_DESCRIPTORS) // 2),
+        )
+    return soft

@@ -225,3 +225,39 @@ async def test_accepts_at_the_descriptor_limit_are_shed_quietly_and_resume(
     finally:
         relay.stop()
     assert "Traceback" not in relay.output()
+
+
+def _soft_limit_of(relay: RelayProcess) -> int:
+    assert relay.proc is not None
+    return resource.prlimit(relay.proc.pid, NOFILE)[0]
+
+
+def test_relay_raises_its_soft_open_file_limit_and_warns_when_the_hard_one_is_short(
+    tmp_path: Path,
+) -> None:
+    """Started with the soft limit most shells and systemd give (1,024 there; 256 here) under
+    a higher hard one, relay ran with it, and shed connections past ~(256 - 15) / 2 while
+    ``listen.max_connections`` allowed far more. It raises its soft limit to the hard one now,
+    as Go's runtime does; and says so once when even the hard one cannot hold
+    ``max_connections``."""
+    hard = resource.getrlimit(NOFILE)[1]
+    roomy = RelayProcess(tmp_path / "roomy", [], {"listen": {"max_connections": 1000}})
+    roomy.nofile = (256, hard)
+    (tmp_path / "roomy").mkdir()
+    roomy.start(until_ready=False)
+    try:
+        assert _soft_limit_of(roomy) == hard
+    finally:
+        roomy.stop()
+    assert "open-file limit" not in roomy.output()
+
+    short = RelayProcess(tmp_path / "short", [], {"listen": {"max_connections": 1000}})
+    short.nofile = (256, 512)
+    (tmp_path / "short").mkdir()
+    short.start(until_ready=False)
+    try:
+        assert _soft_limit_of(short) == 512
+    finally:
+        short.stop()
+    output = short.output()
+    assert output.count("the open-file limit (512) is below the 2128") == 1, output

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -187,6 +188,7 @@ class RelayProcess:
     env: dict[str, str] | None = None  # the child's environment (default: inherited)
     args: list[str] = field(default_factory=list)  # extra ``relay serve`` arguments
     close_stdout: bool = False  # start with descriptor 1 closed (``relay serve >&-``)
+    nofile: tuple[int, int] | None = None  # start with this RLIMIT_NOFILE (``ulimit -n``)
 
     @property
     def url(self) -> str:
@@ -228,7 +230,7 @@ class RelayProcess:
             stdout=self.stdout,
             stderr=self.stderr,
             env=self.env,
-            preexec_fn=_close_stdout if self.close_stdout else None,  # noqa: PLW1509
+            preexec_fn=self._preexec,  # noqa: PLW1509
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -279,9 +281,12 @@ class RelayProcess:
         self.stderr.close()
         return self.proc.returncode
 
-
-def _close_stdout() -> None:
-    os.close(1)
+    def _preexec(self) -> None:
+        """In the child, before ``exec``."""
+        if self.nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
+        if self.close_stdout:
+            os.close(1)
 
 
 @contextlib.contextmanager
