@@ -48,6 +48,18 @@ CLOSED = "The sandbox closed the connection before answering"
             id="unreachable-management",
         ),
         pytest.param(
+            partial(failures.unreachable, exhausted=True),
+            APP,
+            Reject(reason=Reason.OVERLOADED, sandbox_id="sbx", retry_after=1),
+            id="exhausted-sandbox",
+        ),
+        pytest.param(
+            partial(failures.unreachable, exhausted=True),
+            API,
+            Reject(reason=Reason.OVERLOADED, retry_after=1),
+            id="exhausted-management",
+        ),
+        pytest.param(
             failures.closed_early,
             APP,
             Reject(reason=Reason.UPSTREAM_ERROR, detail=CLOSED, sandbox_id="sbx"),
@@ -101,3 +113,13 @@ def test_failure_answers(
     failure: Callable[[Any], Reject], decision: Decision | None, expected: Reject
 ) -> None:
     assert failure(decision) == expected
+
+
+@pytest.mark.parametrize("exhausted", [False, True])
+def test_an_envd_preflight_relay_cannot_dial_for_keeps_envds_204(exhausted: bool) -> None:
+    """A CORS preflight to envd that relay answers itself gets the 204 envd's rs/cors would
+    give (README, "CORS preflights"), whether the port was closed or relay had no descriptor
+    for the dial: a browser takes only a 2xx preflight, and reads the real request's answer."""
+    preflight = forward(Kind.ENVD)
+    preflight.envd_preflight = True
+    assert failures.unreachable(preflight, exhausted=exhausted).envd_preflight
