@@ -177,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     tune_allocator()
     tune_gc()
-    tune_open_files(config.listen.max_connections, warn=not supervises(config))
+    tune_open_files()  # (relay.lifecycle warns when even the hard limit is short)
 
     try:
         if supervises(config):  # process.workers > 1 (relay.workers)

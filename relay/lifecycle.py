@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay import metrics, systemd
 from relay.drain import drain
+from relay.startup import check_open_files
 from relay.systemd import Notifier
 from relay.worker_config import Saved, load_saved, save
 
@@ -114,6 +115,7 @@ class Lifecycle:
             self.worker.metrics_dir.mkdir(parents=True, exist_ok=True)
         self.notifier.status("starting")
         await relay.start()
+        check_open_files(relay.config.listen.max_connections)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.on_stop_signal)
         loop.add_signal_handler(signal.SIGINT, self.on_stop_signal)

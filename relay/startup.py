@@ -119,7 +119,7 @@ def tune_gc() -> None:
     gc.set_threshold(10_000, 50, 100)
 
 
-def tune_open_files(max_connections: int, *, warn: bool = True) -> int:
+def tune_open_files() -> int:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard one; the soft limit relay runs with.
 
     A proxied connection holds two descriptors (client and upstream), and
@@ -129,20 +129,26 @@ def tune_open_files(max_connections: int, *, warn: bool = True) -> int:
     needs more raises its soft limit itself, as Go's runtime does for every Go program (E2B's
     proxy among them). relay never calls ``select()`` (uvloop uses epoll; relay.closing
     polls). Without this, a relay run outside the shipped unit (``LimitNOFILE=131072``) shed
-    connections past ~500 while its configuration allowed 10,000 (found by review). When
-    even the hard limit is short of what ``max_connections`` needs, one warning says so
-    (``warn``: not in a supervisor, whose workers, holding the connections, warn each).
+    connections past ~500 while its configuration allowed 10,000 (found by review). Workers
+    inherit the raised limit.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY in (soft, hard) or hard <= soft:
+        return soft  # (Linux bounds a hard limit by fs.nr_open: never infinite there)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):  # over fs.nr_open: keep what was given
+        return soft
+    return hard
+
+
+def check_open_files(max_connections: int) -> None:
+    """One warning when the open-file limit cannot hold ``max_connections`` (two descriptors
+    each, plus relay's own). Logged once relay started, so that a configuration error stays
+    the only line a failed start prints; by each worker, not by a supervisor."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = 2 * max_connections + FIXED_DESCRIPTORS
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
-    if soft != resource.RLIM_INFINITY and target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (OSError, ValueError):  # over fs.nr_open: keep what was given
-            pass
-    if warn and soft != resource.RLIM_INFINITY and soft < needed:
+    if soft != resource.RLIM_INFINITY and soft < needed:
         log.warning(
             "the open-file limit (%d) is below the %d that listen.max_connections = %d needs "
             "(two descriptors per connection): past about %d connections relay sheds new "
@@ -152,4 +158,3 @@ def tune_open_files(max_connections: int, *, warn: bool = True) -> int:
             max_connections,
             max(0, (soft - FIXED_DESCRIPTORS) // 2),
         )
-    return soft
