@@ -1,10 +1,10 @@
 """relay at its descriptor limit (``RLIMIT_NOFILE``): a proxy holds two descriptors per proxied
 connection, so running out of them is an ordinary production failure, not a crash.
 
-Each test lowers the soft limit of a real ``relay serve`` (``prlimit``, from outside: the
+The tests lower the soft limit of a real ``relay serve`` (``prlimit``, from outside: the
 hard limit stays, so it can be raised again) to what it holds at rest, or one more, and
-checks that relay sheds the work it cannot take, stays quiet and up, and serves again once
-descriptors are free.
+check that relay sheds the work it cannot take, stays quiet and up, and serves again once
+descriptors are free; the last one starts relay with a low soft limit, which it raises.
 """
 
 from __future__ import annotations
