@@ -107,6 +107,82 @@ def redis_feed(relay: Relay) -> RedisFeed:
     return feed
 
 
+# -- a slow link to Redis ----------------------------------------------------------------
+
+
+class ThrottledProxy:
+    """A TCP proxy to Redis whose replies arrive at ``rate`` bytes per second: a table that takes
+    longer to arrive than the read timeout a hang is noticed by (a large fleet, a slow link)."""
+
+    def __init__(self, upstream_port: int, rate: int) -> None:
+        self.upstream_port = upstream_port
+        self.rate = rate
+        self.server: asyncio.Server | None = None
+        self.flowing = asyncio.Event()  # cleared: Redis's replies stop (a black hole)
+        self.flowing.set()
+        self._writers: set[asyncio.StreamWriter] = set()  # both ends of every open connection
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    async def stop(self) -> None:
+        """Closes every connection and waits for its handler (bounded): a handler left to be
+        cancelled with the loop is reported as an error by asyncio's streams on 3.11."""
+        if self.server is not None:
+            self.server.close()
+        self.flowing.set()
+        for writer in list(self._writers):
+            writer.close()
+        if self._handlers:
+            await asyncio.wait(self._handlers, timeout=5)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._writers.add(writer)
+        up_writer: asyncio.StreamWriter | None = None
+        try:
+            try:
+                up_reader, up_writer = await asyncio.open_connection(
+                    "127.0.0.1", self.upstream_port
+                )
+            except OSError:
+                return
+            self._writers.add(up_writer)
+            await asyncio.gather(
+                self._pipe(reader, up_writer, slow=False), self._pipe(up_reader, writer, slow=True)
+            )
+        finally:
+            for end in (writer, up_writer):
+                if end is not None:
+                    end.close()
+                    self._writers.discard(end)
+            self._handlers.discard(task)
+
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, slow: bool
+    ) -> None:
+        step = self.rate // 50
+        try:
+            while data := await src.read(step if slow else 65536):
+                if slow:
+                    await self.flowing.wait()
+                if dst.is_closing():  # closed while held (stop); uvloop raises on a write
+                    return
+                dst.write(data)
+                await dst.drain()
+                if slow:
+                    await asyncio.sleep(0.02)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            dst.close()
+
+
 # -- a fake sandbox app ---------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from relay.routes_cli import InvalidInput, validate_input
 from tests.feeds.helpers import (
     CLIENT_TIMEOUT,
     SandboxApp,
+    ThrottledProxy,
     get,
     load_hash,
     redis_feed,
@@ -197,47 +198,6 @@ async def test_a_follow_whose_second_connection_fails_backs_off(
         assert feed.snapshots <= 7  # 1 + at most 6 retries whose delays add up to >= 3 s
     finally:
         await relay.stop()
-
-
-class ThrottledProxy:
-    """A TCP proxy to Redis whose replies arrive at ``rate`` bytes per second: a table that takes
-    longer to arrive than the read timeout a hang is noticed by (a large fleet, a slow link)."""
-
-    def __init__(self, upstream_port: int, rate: int) -> None:
-        self.upstream_port = upstream_port
-        self.rate = rate
-        self.server: asyncio.Server | None = None
-        self.flowing = asyncio.Event()  # cleared: Redis's replies stop (a black hole)
-        self.flowing.set()
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port: int = self.server.sockets[0].getsockname()[1]
-        return port
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, slow: bool) -> None:
-            step = self.rate // 50
-            try:
-                while data := await src.read(step if slow else 65536):
-                    if slow:
-                        await self.flowing.wait()
-                    dst.write(data)
-                    await dst.drain()
-                    if slow:
-                        await asyncio.sleep(0.02)
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
 
 
 async def test_a_table_slower_to_arrive_than_a_hang_is_loaded(
