@@ -273,6 +273,25 @@ def advance(
     return Position(end, None)
 
 
+def next_read_count(count: int, *, got: int, took_s: float, budget_s: float, cap: int) -> int:
+    """Entries to ask for in the follower's next read, after one that asked for ``count``, got
+    ``got`` and took ``took_s``: each reply must arrive well within the read timeout that tells
+    a hung Redis, however slow the link (found by review: a burst read as one reply of 5,000
+    entries took longer than that timeout on a slow link, and relay reconnected and reloaded
+    the whole hash, again and again under a steady burst).
+
+    A read slower than ``budget_s`` shrinks the count in proportion to what it carried; a full
+    read in under half the budget doubles it (up to ``cap``), so on a fast link the count is
+    back at ``cap`` within a few reads. Anything else keeps it: a short read says little about
+    the link. Never below 1.
+    """
+    if took_s > budget_s and got > 0:
+        return max(1, min(count, int(got * budget_s / took_s)))
+    if got >= count and took_s < budget_s / 2:
+        return min(cap, count * 2)
+    return max(1, min(count, cap))
+
+
 # -- staleness and reconnection --------------------------------------------------------------
 
 

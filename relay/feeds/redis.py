@@ -65,6 +65,7 @@ from relay.core.feed import (
     backoff_delay,
     events_key,
     format_stream_id,
+    next_read_count,
     parse_snapshot,
     parse_stream_id,
     routes_key,
@@ -79,7 +80,11 @@ log = logging.getLogger("relay.feeds.redis")
 
 SOURCE = "redis"
 BLOCK_MS = 1000  # a blocking read returns at least this often: liveness and gap checks
-READ_COUNT = 5000  # entries per read inside the MULTI
+READ_COUNT = 5000  # the most entries per read inside the MULTI
+# Where the per-read count starts, and where a read that timed out sends it back to: a few
+# tens of kB of entries, which only a link too slow to follow at all takes a read timeout over.
+# It grows from there while reads are quick (``next_read_count``).
+READ_COUNT_START = 100
 MAX_BACKLOG = 100_000  # past this many unread entries, resync instead of replaying
 # At most one resync per this many seconds for stream entries relay cannot apply: each reloads
 # the whole hash, and a control plane that writes such entries steadily (a bug, or an op of its
@@ -236,6 +241,7 @@ class RedisFeed:
         self._attempt = 0  # failures since following last worked: the backoff's exponent
         self._grace_s = 0.0  # the hang grace of the current connection (_hang_grace)
         self._snapshot_timeout_s = 0.0  # learned by _snapshot; 0 until a first one ends
+        self._count = min(read_count, READ_COUNT_START)  # learned by _read_to_end
 
     def load(self) -> bool:
         """SIGHUP: resync from the hash at the next wake-up (within ``block_ms``)."""
@@ -448,23 +454,44 @@ class RedisFeed:
         self, client: aioredis.Redis, after: StreamId
     ) -> tuple[Fold, StreamInfo] | None:
         """Every entry after ``after`` up to the end of the stream, folded, and the stream's
-        counters as of the last read; ``None`` when the backlog is too long to replay."""
+        counters as of the last read; ``None`` when the backlog is too long to replay.
+
+        Each read asks for as many entries as the last ones showed the link carries in a
+        quarter of the read timeout (``next_read_count``, at most ``read_count``): that timeout
+        is how a hung Redis is told, and it applies to a whole reply, so a large one on a slow
+        link was taken for a hang (found by review). A read that times out anyway (a link that
+        slowed down, or a hang) sends the count back to ``READ_COUNT_START``. The timeout itself
+        is unchanged, and each read that completes is a good read for the stale clock."""
         folding = Fold(self.allowed)
         cursor = after
+        budget_s = (self.block_ms / 1000 + self._grace_s) / 4
         while True:
-            async with client.pipeline(transaction=True) as pipe:
-                pipe.xread({self.events_key: format_stream_id(cursor)}, count=self.read_count)
-                pipe.xinfo_stream(self.events_key)
-                raw_read, raw_info = await pipe.execute(raise_on_error=False)
+            count = min(self._count, self.read_count)
+            started = time.monotonic()
+            try:
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.xread({self.events_key: format_stream_id(cursor)}, count=count)
+                    pipe.xinfo_stream(self.events_key)
+                    raw_read, raw_info = await pipe.execute(raise_on_error=False)
+            except RedisTimeoutError:
+                self._count = min(count, READ_COUNT_START)
+                raise
             _honour_cancel()
             self._ok()
             if isinstance(raw_read, Exception):
                 raise raw_read
             info = _info_or_missing(raw_info)
             got = _entries(raw_read)
+            self._count = next_read_count(
+                count,
+                got=len(got),
+                took_s=time.monotonic() - started,
+                budget_s=budget_s,
+                cap=self.read_count,
+            )
             for entry_id, fields in got:
                 folding.add(entry_id, fields)
-            if len(got) < self.read_count:
+            if len(got) < count:
                 return folding, info
             if folding.count >= self.max_backlog:
                 return None

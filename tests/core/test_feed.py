@@ -23,6 +23,7 @@ from relay.core.feed import (
     fold,
     format_stream_id,
     freshness,
+    next_read_count,
     parse_event,
     parse_snapshot,
     parse_stream_id,
@@ -284,6 +285,42 @@ def test_advance(
 ) -> None:
     last = read[-1] if read else None
     assert advance(start, info, count=len(read), last=last) == expected
+
+
+# count, got, took_s -> next count; a budget of 0.3 s and a cap of 5,000 (a 1.2 s read timeout)
+READ_COUNTS = [
+    pytest.param(100, 100, 0.01, 200, id="full-and-quick-doubles"),
+    pytest.param(4000, 4000, 0.1, 5000, id="up-to-the-cap"),
+    pytest.param(5000, 5000, 0.01, 5000, id="at-the-cap"),
+    pytest.param(200, 200, 0.2, 200, id="full-within-the-budget-keeps"),
+    pytest.param(200, 200, 0.6, 100, id="slow-shrinks-in-proportion"),
+    pytest.param(1000, 50, 0.6, 25, id="slow-short-read-shrinks-by-what-it-carried"),
+    pytest.param(100, 10, 0.001, 100, id="short-read-says-little"),
+    pytest.param(1000, 0, 2.0, 1000, id="slow-and-empty-keeps"),
+    pytest.param(10, 1, 100.0, 1, id="never-below-one"),
+]
+
+
+@pytest.mark.parametrize(("count", "got", "took_s", "expected"), READ_COUNTS)
+def test_next_read_count(count: int, got: int, took_s: float, expected: int) -> None:
+    assert next_read_count(count, got=got, took_s=took_s, budget_s=0.3, cap=5000) == expected
+
+
+@given(
+    count=st.integers(1, 5000),
+    share=st.floats(0.0, 1.0),
+    rate=st.floats(1.0, 1e6),  # entries per second the link carries
+)
+def test_a_steady_link_keeps_each_read_within_the_budget(
+    count: int, share: float, rate: float
+) -> None:
+    """At a steady rate, the read after any read (full or short, quick or slow) carries at most
+    what the link moves in the budget, or one entry; the count stays within [1, cap]."""
+    got = min(count, max(1, round(count * share)))
+    following = next_read_count(count, got=got, took_s=got / rate, budget_s=0.3, cap=5000)
+    assert 1 <= following <= 5000
+    if got / rate > 0.3 or following > count:
+        assert following / rate <= 0.3 * (1 + 1e-9) or following == 1
 
 
 # -- staleness and backoff -----------------------------------------------------------------------

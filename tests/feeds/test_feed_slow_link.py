@@ -1,0 +1,94 @@
+"""The Redis feed over a slow link (found by review): a burst of stream entries whose reply takes
+longer to arrive than the read timeout a hung Redis is told by.
+
+Real redis-server, relay in-process, and between them ``ThrottledProxy``: a loopback TCP
+forwarder that passes Redis's replies at a fixed rate, or holds them (``flowing`` cleared).
+With ``max_stale_s = 2`` and ``block_ms = 200`` a read that takes longer than 1.2 s is taken
+for a hung Redis (``RedisFeed._hang_grace``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from tests.feeds.helpers import (
+    ThrottledProxy,
+    delete,
+    load_hash,
+    put,
+    redis_feed,
+    relay_config,
+    route,
+    start_relay,
+    wait_for,
+)
+from tests.feeds.redisproc import RedisProcess
+
+BURST = 3000  # ~190 bytes an entry on the wire: ~0.6 MB, ~3 s at RATE
+RATE = 200_000  # bytes per second from Redis to relay
+
+
+async def test_a_burst_slower_to_arrive_than_a_hang_is_followed_without_a_resync(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
+) -> None:
+    """3,000 puts and a delete in one transaction: read as one reply of up to 5,000 entries, it
+    took ~3 s to arrive, the read timed out at 1.2 s, relay reconnected and reloaded the whole
+    hash (over the same slow link), and a steady burst did so again and again. Now each read
+    asks for as many entries as the link carries in a fraction of that timeout: no failure,
+    no snapshot after the first, and the batch lands whole (the delete revokes ``r0``)."""
+    await load_hash(writer, [route(f"r{i}") for i in range(10)])
+    proxy = ThrottledProxy(redis_proc.port, rate=RATE)
+    proxy_port = await proxy.start()
+    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
+    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
+    feed = redis_feed(relay)
+    try:
+        await wait_for(lambda: feed.position is not None, 5, "following")
+        await put(writer, *[route(f"b{i:05d}") for i in range(BURST)])
+        await delete(writer, "r0")
+        expected = BURST + 9
+        await wait_for(
+            lambda: len(relay.table) == expected or feed.failures > 0, 9, "the burst applied"
+        )
+        assert feed.failures == 0, "the burst was taken for a hung Redis"
+        assert feed.snapshots == 1
+        assert feed.gaps == 0
+        assert relay.table.get("r0") is None
+        assert not relay.feed_state.stale
+    finally:
+        await relay.stop()
+        await proxy.stop()
+
+
+async def test_a_link_that_hangs_during_a_burst_makes_the_cache_stale_in_time(
+    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
+) -> None:
+    """Half that burst, and the link stops passing bytes half-way: still noticed, and the cache
+    stale within max_stale_s of the last good read (SPEC §3), as for an idle feed."""
+    await load_hash(writer, [route(f"r{i}") for i in range(10)])
+    proxy = ThrottledProxy(redis_proc.port, rate=RATE)
+    proxy_port = await proxy.start()
+    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
+    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
+    feed = redis_feed(relay)
+    try:
+        await wait_for(lambda: feed.position is not None, 5, "following")
+        await put(writer, *[route(f"b{i:05d}") for i in range(BURST // 2)])
+        await asyncio.sleep(0.5)  # reads of the burst are under way
+        proxy.flowing.clear()
+        assert len(relay.table) == 10  # not applied yet: the link hangs in the middle
+        hung = time.monotonic()
+        await wait_for(lambda: relay.feed_state.stale, 4, "a stale cache")
+        assert time.monotonic() - hung < 2.5  # max_stale_s after the last good read
+        assert feed.failures >= 1
+        proxy.flowing.set()
+        await wait_for(lambda: len(relay.table) == BURST // 2 + 10, 10, "the resync")
+        assert not relay.feed_state.stale
+    finally:
+        proxy.flowing.set()
+        await relay.stop()
+        await proxy.stop()
