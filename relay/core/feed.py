@@ -18,8 +18,10 @@ skips such a hole. Redis >= 7.0 reports ``entries-added`` (every ``XADD`` ever m
 count is taken at the same instant as the read; once a read reaches the end of the stream,
 ``entries-added`` must have grown by exactly the number of entries read since the last such
 point, else something was lost in between. Redis 6.2 has no counter: the follower then
-resyncs whenever its own position was trimmed away (first entry newer than its last id),
-which is conservative. A stream deleted or recreated (last id going backwards) also resyncs.
+resyncs whenever its own position was trimmed away (first entry newer than its last id, the
+origin included), or when the stream's last id is past the last entry it read (trimmed to
+nothing, or the newest entries deleted), which is conservative. A stream deleted or recreated
+(last id going backwards) also resyncs.
 """
 
 from __future__ import annotations
@@ -266,9 +268,15 @@ def advance(
         if info.entries_added - start.added != count:
             return None
         return Position(end, info.entries_added)
-    # Redis < 7.0: no counter. Resync if our own position was trimmed away (conservative).
+    # Redis < 7.0: no counter, so conservative. Resync if our own position was trimmed away
+    # (the first entry newer than our last id), including the origin of a stream that did
+    # not exist at the snapshot: what was trimmed before the first entry we see is unknown.
+    # And if the stream's last id is past the last entry we read: the newest entries were
+    # removed, by a trim to nothing (no first entry left to compare) or XDEL. Both went
+    # unnoticed before (found by review): a delete trimmed away so, or trimmed away before
+    # a relay that snapshotted an absent stream read it, left a revoked route serving.
     first = info.first_entry
-    if start.last_id != ORIGIN and first is not None and first > start.last_id:
+    if info.last_generated > end or (first is not None and first > start.last_id):
         return None
     return Position(end, None)
 

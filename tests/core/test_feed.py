@@ -275,7 +275,13 @@ ADVANCES = [
     pytest.param(Position(ORIGIN, 0), [A, B], info7(B, 2, A), Position(B, 2), id="created"),
     pytest.param(Position(A, None), [B], info6(B, A), Position(B, None), id="redis6-ok"),
     pytest.param(Position(A, None), [C], info6(C, C), None, id="redis6-position-trimmed"),
-    pytest.param(Position(ORIGIN, None), [C], info6(C, C), Position(C, None), id="redis6-origin"),
+    pytest.param(Position(A, None), [], info6(A, None), Position(A, None), id="redis6-all-read"),
+    pytest.param(Position(A, None), [], info6(C, None), None, id="redis6-trimmed-to-nothing"),
+    pytest.param(Position(A, None), [B], info6(C, A), None, id="redis6-newest-deleted"),
+    # A 6.2 relay whose snapshot found no stream follows from (ORIGIN, 0) (MISSING's count).
+    pytest.param(Position(ORIGIN, 0), [C], info6(C, C), None, id="redis6-origin"),
+    pytest.param(Position(ORIGIN, 0), [], info6(C, None), None, id="redis6-origin-trimmed"),
+    pytest.param(Position(ORIGIN, 0), [], MISSING, Position(ORIGIN, 0), id="redis6-still-none"),
 ]
 
 
