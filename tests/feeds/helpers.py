@@ -166,17 +166,22 @@ class ThrottledProxy:
     async def _pipe(
         self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, slow: bool
     ) -> None:
-        step = self.rate // 50
+        """Replies (``slow``) pass in slices of ``rate / 50`` bytes every 20 ms, sliced as they
+        are written, so that a change of ``rate`` applies from the next slice on."""
         try:
-            while data := await src.read(step if slow else 65536):
-                if slow:
-                    await self.flowing.wait()
-                if dst.is_closing():  # closed while held (stop); uvloop raises on a write
-                    return
-                dst.write(data)
-                await dst.drain()
-                if slow:
-                    await asyncio.sleep(0.02)
+            while data := await src.read(65536):
+                sent = 0
+                while sent < len(data):
+                    if slow:
+                        await self.flowing.wait()
+                    if dst.is_closing():  # closed while held (stop); uvloop raises on a write
+                        return
+                    size = max(1, self.rate // 50) if slow else len(data)
+                    dst.write(data[sent : sent + size])
+                    sent += size
+                    await dst.drain()
+                    if slow:
+                        await asyncio.sleep(0.02)
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
