@@ -85,7 +85,9 @@ async def test_a_link_that_hangs_during_a_burst_makes_the_cache_stale_in_time(
         assert len(relay.table) == 10  # not applied yet: the link hangs in the middle
         hung = time.monotonic()
         await wait_for(lambda: relay.feed_state.stale, 4, "a stale cache")
-        assert time.monotonic() - hung < 1.5  # max_stale_s after the last good read
+        # Noticed within the 1.2 s read timeout, by when max_stale_s has passed since the
+        # last good read: stale then (0.8 s of slack for a busy machine).
+        assert time.monotonic() - hung < 2.0
         assert feed.failures >= 1
         proxy.flowing.set()
         await wait_for(lambda: len(relay.table) == BURST // 2 + 10, 10, "the resync")
