@@ -238,6 +238,7 @@ class RedisFeed:
         self._unapplied_resync = -UNAPPLIED_RESYNC_S  # clock() at the last such resync
         self._last_ok: float | None = None
         self._broken = False
+        self._lagging = False  # a catch-up of several reads started the stale clock
         self._attempt = 0  # failures since following last worked: the backoff's exponent
         self._grace_s = 0.0  # the hang grace of the current connection (_hang_grace)
         self._snapshot_timeout_s = 0.0  # learned by _snapshot; 0 until a first one ends
@@ -300,6 +301,7 @@ class RedisFeed:
         self.failures += 1
         self.position = None
         message = f"{self.target.server}: {type(exc).__name__}: {exc}"
+        self._lagging = False  # the outage's clock carries on from the same start
         if not self._broken:
             self._broken = True
             since = self._last_ok if self._last_ok is not None else self.clock()
@@ -366,6 +368,7 @@ class RedisFeed:
         self.sink.install_routes(routes, self.source)
         if resync_since is not None:
             self.sink.feed_restored()
+        self._lagging = False
         self.snapshots += 1
         self._unapplied = False  # whatever entries relay could not apply, the hash had them
         position = start_position(info)
@@ -445,6 +448,9 @@ class RedisFeed:
                     self.sink.reject_routes(list(batch.errors), self.source)
                 self.sink.apply_routes(batch.puts, batch.deletes, self.source)
                 self.events += folding.count
+            if self._lagging:
+                self._lagging = False
+                self.sink.feed_restored()
             position = moved
             self.position = position
             if folding.unapplied:
@@ -461,7 +467,16 @@ class RedisFeed:
         is how a hung Redis is told, and it applies to a whole reply, so a large one on a slow
         link was taken for a hang (found by review). A read that times out anyway (a link that
         slowed down, or a hang) sends the count back to ``READ_COUNT_START``. The timeout itself
-        is unchanged, and each read that completes is a good read for the stale clock."""
+        is unchanged.
+
+        Nothing is applied before the end, so a catch-up of several reads starts the stale
+        clock, from the wake-up that began it, as a resync does (``_snapshot``): the table is
+        as old as that while the reads go on, and a link slow enough to make them take longer
+        than max_stale_s makes the cache stale until the batch is applied, as a resync over
+        it did before the reads were sized (found by review: otherwise a sustained burst on a
+        slow link kept a table minutes old, revoked routes included, serving as fresh).
+        ``_follow`` stops the clock once the batch is applied."""
+        since = self._last_ok if self._last_ok is not None else self.clock()
         folding = Fold(self.allowed)
         cursor = after
         budget_s = (self.block_ms / 1000 + self._grace_s) / 4
@@ -495,6 +510,9 @@ class RedisFeed:
                 return folding, info
             if folding.count >= self.max_backlog:
                 return None
+            if not self._lagging:
+                self._lagging = True
+                self.sink.feed_broken(since)
             cursor = got[-1][0]
 
 

@@ -10,8 +10,6 @@ for a hung Redis (``RedisFeed._hang_grace``).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -62,38 +60,6 @@ async def test_a_burst_slower_to_arrive_than_a_hang_is_followed_without_a_resync
         assert relay.table.get("r0") is None
         assert not relay.feed_state.stale
     finally:
-        await relay.stop()
-        await proxy.stop()
-
-
-async def test_a_link_that_hangs_during_a_burst_makes_the_cache_stale_in_time(
-    tmp_path: Path, writer: aioredis.Redis, redis_proc: RedisProcess
-) -> None:
-    """Half that burst, and the link stops passing bytes half-way: still noticed, and the cache
-    stale within max_stale_s (1 s here) of the last good read (SPEC §3), as for an idle feed."""
-    await load_hash(writer, [route(f"r{i}") for i in range(10)])
-    proxy = ThrottledProxy(redis_proc.port, rate=RATE)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=1)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
-    feed = redis_feed(relay)
-    try:
-        await wait_for(lambda: feed.position is not None, 5, "following")
-        await put(writer, *[route(f"b{i:05d}") for i in range(BURST // 2)])
-        await asyncio.sleep(0.4)  # reads of the burst are under way
-        proxy.flowing.clear()
-        assert len(relay.table) == 10  # not applied yet: the link hangs in the middle
-        hung = time.monotonic()
-        await wait_for(lambda: relay.feed_state.stale, 4, "a stale cache")
-        # Noticed within the 1.2 s read timeout, by when max_stale_s has passed since the
-        # last good read: stale then (0.8 s of slack for a busy machine).
-        assert time.monotonic() - hung < 2.0
-        assert feed.failures >= 1
-        proxy.flowing.set()
-        await wait_for(lambda: len(relay.table) == BURST // 2 + 10, 10, "the resync")
-        assert not relay.feed_state.stale
-    finally:
-        proxy.flowing.set()
         await relay.stop()
         await proxy.stop()
 
