@@ -35,8 +35,9 @@ class StreamSink(Sink, Protocol):
         """Apply a batch in one swap of the table, revoking what it changed."""
 
     def feed_broken(self, since: float) -> None:
-        """The feed is down; ``since`` (``time.monotonic()``) is when it was last known good,
-        the start of the stale clock."""
+        """The feed is down, or the table behind it until a resync or a catch-up of several
+        reads lands; ``since`` (``time.monotonic()``) is when it was last known good, the
+        start of the stale clock."""
 
     def feed_restored(self) -> None:
         """The feed is back and the table was resynced: stop the stale clock."""
