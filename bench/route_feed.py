@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
-from relay.feeds.redis import publish_delete, publish_puts  # noqa: E402
+from relay.feeds.redis_client import publish_delete, publish_puts  # noqa: E402
 from tests.feeds.helpers import SandboxApp  # noqa: E402
 from tests.feeds.redisproc import RedisProcess  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402

@@ -212,7 +212,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
         host_checks(config)
         if config.routes.source == "redis":
-            from relay.feeds.redis import redis_target  # noqa: PLC0415
+            from relay.feeds.redis_client import redis_target  # noqa: PLC0415
 
             redis_target(config, environment=False)  # its files: the password, the CA
     print(json.dumps(redacted(config), indent=2))

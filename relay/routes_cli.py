@@ -167,7 +167,7 @@ def _delete(config: Config, sandbox_id: str, maxlen: int) -> int:
 
         async def go(client: aioredis.Redis, prefix: str) -> None:
             nonlocal existed
-            from relay.feeds.redis import publish_delete  # noqa: PLC0415
+            from relay.feeds.redis_client import publish_delete  # noqa: PLC0415
 
             existed = await publish_delete(client, prefix, sandbox_id, maxlen or None)
 
@@ -194,7 +194,7 @@ def load_table(config: Config) -> tuple[dict[str, Route], list[RouteError]]:
         raw: dict[bytes, bytes] = {}
 
         async def go(client: aioredis.Redis, prefix: str) -> None:
-            from relay.feeds.redis import read_table  # noqa: PLC0415
+            from relay.feeds.redis_client import read_table  # noqa: PLC0415
 
             raw.update(await read_table(client, prefix))
 
@@ -271,7 +271,7 @@ def _write(path: Path, routes: list[Any]) -> None:
 async def _redis_put(
     client: aioredis.Redis, prefix: str, pairs: list[tuple[str, str]], maxlen: int
 ) -> None:
-    from relay.feeds.redis import publish_puts  # noqa: PLC0415
+    from relay.feeds.redis_client import publish_puts  # noqa: PLC0415
 
     await publish_puts(client, prefix, pairs, maxlen or None)
 
@@ -280,7 +280,7 @@ def _redis(config: Config, action: Action) -> str:
     """Run ``action(client, prefix)`` against the configured Redis; its host:port."""
     from redis.exceptions import RedisError  # noqa: PLC0415
 
-    from relay.feeds.redis import connect, redis_target  # noqa: PLC0415
+    from relay.feeds.redis_client import connect, redis_target  # noqa: PLC0415
 
     target = redis_target(config)
 

@@ -20,7 +20,7 @@ import pytest
 from relay.__main__ import main
 from relay.config import ConfigError, load, parse, redact_url
 from relay.feeds.file import write_routes_file
-from relay.feeds.redis import redis_target
+from relay.feeds.redis_client import redis_target
 from tests.support.certs import issue
 from tests.support.harness import DOMAIN, config_data, route, running_relay, to_toml, write_routes
 

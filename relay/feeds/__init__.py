@@ -9,7 +9,8 @@ from relay.feeds.sink import Feed, StreamSink
 def open_feed(sink: StreamSink, config: Config) -> Feed:
     """The feed ``routes.source`` names; raises ConfigError (naming the key) for bad secrets."""
     if config.routes.source == "redis":
-        from relay.feeds.redis import RedisFeed, redis_target  # noqa: PLC0415 (needs redis-py)
+        from relay.feeds.redis import RedisFeed  # noqa: PLC0415 (needs redis-py)
+        from relay.feeds.redis_client import redis_target  # noqa: PLC0415
 
         return RedisFeed(
             sink,

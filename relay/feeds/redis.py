@@ -27,10 +27,8 @@ Why these shapes:
   inside the client's socket-timeout block, and a feed that ignores its cancellation would
   hang ``Relay.stop()`` (found by the 1,000 updates/s test, reproduced in isolation).
 
-Credentials: the ACL user is ``routes.redis_username``; the password is read from
-``routes.redis_password_file`` or the environment variable named by
-``routes.redis_password_env``, never from the config file, and never logged (log lines name
-the server as host:port only).
+Reaching Redis (settings, credentials, the client) and writing routes are in
+:mod:`relay.feeds.redis_client`.
 """
 
 from __future__ import annotations
@@ -38,23 +36,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
-import ssl
 import time
-import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from relay.config import Config, ConfigError, url_password
+from relay.config import url_password
 from relay.core.feed import (
     MISSING,
     Fold,
@@ -74,6 +64,7 @@ from relay.core.feed import (
 )
 from relay.core.model import Route
 from relay.core.routes import Network, RouteError
+from relay.feeds.redis_client import RedisTarget, connect
 from relay.feeds.sink import StreamSink
 
 log = logging.getLogger("relay.feeds.redis")
@@ -90,7 +81,6 @@ MAX_BACKLOG = 100_000  # past this many unread entries, resync instead of replay
 # the whole hash, and a control plane that writes such entries steadily (a bug, or an op of its
 # own for another consumer) cost every relay of a fleet one per read (found by review).
 UNAPPLIED_RESYNC_S = 5.0
-CONNECT_TIMEOUT_S = 3.0
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 5.0
 PARSE_SLICE = 5000  # hash entries parsed between yields to the event loop
@@ -98,99 +88,6 @@ PARSE_SLICE = 5000  # hash entries parsed between yields to the event loop
 # after each that timed out): past it, a Redis that takes the connection and never answers
 # (a network black hole) holds a reconnect no longer than this after it heals.
 SNAPSHOT_TIMEOUT_CAP_S = 60.0
-
-
-# -- connection settings -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RedisTarget:
-    """Everything needed to reach the routes in Redis; the password is never printed."""
-
-    url: str = field(repr=False)  # may hold a password too (routes.redis_url)
-    prefix: str
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    ca_file: str | None = None
-
-    @property
-    def server(self) -> str:
-        """host:port (or the socket path) for log lines: no credentials."""
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme == "unix":
-            return parts.path
-        host = parts.hostname or "localhost"
-        return f"{host}:{parts.port or 6379}"
-
-
-def redis_target(config: Config, *, environment: bool = True) -> RedisTarget:
-    """The ``[routes]`` Redis settings with the password read; errors name the key.
-
-    ``environment=False`` (``check-config``, run from a shell that need not have the service's
-    environment) does not look for ``routes.redis_password_env``."""
-    routes = config.routes
-    password: str | None = None
-    if routes.redis_password_file:
-        path = config.path(routes.redis_password_file)
-        try:
-            password = path.read_text(encoding="utf-8").rstrip("\r\n")
-        except OSError as exc:
-            raise ConfigError(
-                f"routes.redis_password_file: cannot read {path}: {exc.strerror}"
-            ) from None
-        except UnicodeDecodeError:
-            # A traceback and exit 1 otherwise, which Restart= retries for ever. Not chained:
-            # the decode error holds the file's bytes (its .object), the password.
-            raise ConfigError(f"routes.redis_password_file: {path} is not UTF-8 text") from None
-        if not password:
-            raise ConfigError(f"routes.redis_password_file: {path} is empty")
-    elif routes.redis_password_env and environment:
-        password = os.environ.get(routes.redis_password_env) or None
-        if password is None:
-            raise ConfigError(
-                f"routes.redis_password_env: ${routes.redis_password_env} is not set or empty"
-            )
-    ca_file = str(config.path(routes.redis_ca_file)) if routes.redis_ca_file else None
-    if ca_file is not None and not Path(ca_file).is_file():
-        raise ConfigError(f"routes.redis_ca_file: {ca_file} is not a readable file")
-    if ca_file is not None:
-        # Loaded as each connection will load it: a file without a certificate passed and the
-        # feed then retried for ever with an X509 error, never ready (found by review).
-        try:
-            ssl.create_default_context(cafile=ca_file)
-        except ssl.SSLError:
-            raise ConfigError(
-                f"routes.redis_ca_file: {ca_file} holds no PEM certificate OpenSSL can load"
-            ) from None
-        except OSError as exc:
-            raise ConfigError(
-                f"routes.redis_ca_file: cannot read {ca_file}: {exc.strerror}"
-            ) from None
-    return RedisTarget(
-        url=routes.redis_url,
-        prefix=routes.redis_prefix,
-        username=routes.redis_username or None,
-        password=password,
-        ca_file=ca_file,
-    )
-
-
-def connect(target: RedisTarget, *, socket_timeout: float | None) -> aioredis.Redis:
-    """A single-connection client that does not retry on its own (the feed loop does)."""
-    options: dict[str, Any] = {
-        "username": target.username,
-        "password": target.password,
-        "protocol": 2,  # RESP2: every Redis >= 5 speaks it; the replies parsed below are RESP2
-        "retry": Retry(NoBackoff(), 0),
-        "socket_timeout": socket_timeout,
-        "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "single_connection_client": True,
-        "health_check_interval": 0,
-        "driver_info": None,  # no CLIENT SETINFO: the relay's ACL user need not be allowed it
-    }
-    if target.url.startswith("rediss://") and target.ca_file is not None:
-        options["ssl_ca_certs"] = target.ca_file
-    return aioredis.Redis.from_url(target.url, **options)
 
 
 # -- the feed ----------------------------------------------------------------------------------
@@ -564,40 +461,3 @@ async def _parse_snapshot_sliced(
         if start + PARSE_SLICE < len(items):
             await asyncio.sleep(0)
     return routes, errors
-
-
-# -- writing (``relay routes put/delete``, control planes in Python) ----------------------------
-
-
-async def publish_puts(
-    client: aioredis.Redis, prefix: str, routes: Sequence[tuple[str, str]], maxlen: int | None
-) -> None:
-    """HSET + XADD for each (sandbox id, route JSON), all in one MULTI/EXEC."""
-    async with client.pipeline(transaction=True) as pipe:
-        for sandbox_id, text in routes:
-            pipe.hset(routes_key(prefix), sandbox_id, text)
-            pipe.xadd(
-                events_key(prefix),
-                {"op": "put", "id": sandbox_id, "route": text},
-                maxlen=maxlen,
-                approximate=True,
-            )
-        await pipe.execute()
-
-
-async def publish_delete(
-    client: aioredis.Redis, prefix: str, sandbox_id: str, maxlen: int | None
-) -> bool:
-    """HDEL + XADD in one MULTI/EXEC; True when the route existed."""
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.hdel(routes_key(prefix), sandbox_id)
-        pipe.xadd(
-            events_key(prefix), {"op": "delete", "id": sandbox_id}, maxlen=maxlen, approximate=True
-        )
-        removed, _ = await pipe.execute()
-    return bool(removed)
-
-
-async def read_table(client: aioredis.Redis, prefix: str) -> dict[bytes, bytes]:
-    raw = await client.hgetall(routes_key(prefix))
-    return {k: v for k, v in raw.items() if isinstance(k, bytes) and isinstance(v, bytes)}

@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from relay.config import Config, parse
-from relay.feeds.redis import RedisFeed, publish_delete, publish_puts
+from relay.feeds.redis import RedisFeed
+from relay.feeds.redis_client import publish_delete, publish_puts
 from relay.runtime import Relay
 
 STREAM_CHUNK_INTERVAL_S = 0.05

@@ -24,7 +24,8 @@ from relay import metrics, reload
 from relay.config import in_networks
 from relay.core.routes import Network, RouteTable
 from relay.feeds import redis as redis_feed_module
-from relay.feeds.redis import RedisFeed, RedisTarget
+from relay.feeds.redis import RedisFeed
+from relay.feeds.redis_client import RedisTarget
 from relay.runtime import Relay
 from tests.feeds.helpers import (
     CLIENT_TIMEOUT,
