@@ -3,31 +3,29 @@
 Writing a line through ``logging`` costs about 35 µs here (record, formatter, lock, and a
 ``write`` + ``flush`` per line), a third of relay's whole per-request budget. ``relay serve``
 therefore writes the lines itself: each is formatted with one ``%`` operation (strings escaped
-by the C JSON encoder) and appended to a buffer that is written out every 0.25 s, when it
-passes 64 KiB, and at exit. Writes go out in pieces of at most ``PIPE_BUF`` bytes cut at line
-ends, so lines from several workers sharing one pipe (journald) never interleave.
+by the C JSON encoder) and appended to a buffer that is handed over every 0.25 s, when it
+passes 64 KiB, and at exit.
 
-To a regular file (``relay serve > access.log``) the buffer goes out in one ``write``: Linux
-holds the file's lock for the whole of a write to a regular file, so another worker's write
-lands before or after it, never inside (``PIPE_BUF`` is a pipe's rule). A flush of 64 KiB in
-4 KiB pieces took ~110 µs here, every ~300 requests of a busy worker, all of it latency for
-the requests in flight; in one write it takes ~20 µs (bench/README.md, "A seventh host").
+The writes run in a thread of their own, never on the event loop, in pieces a pipe shared by
+several workers takes whole: :mod:`relay.accesswriter` has why and how, and what becomes of
+lines a stalled standard output does not take.
 
 Without :func:`configure` (tests, embedding), lines go to the ``relay.access`` logger.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
-import os
-import select
-import stat
+import time
 from typing import BinaryIO
 
+from relay.accesswriter import EXIT_WAIT_S, PENDING_LIMIT, Writer
 from relay.core.answers import log_members
 
 logger = logging.getLogger("relay.access")
+log = logging.getLogger("relay")
 
 _escape = json.encoder.encode_basestring_ascii
 # The request's members (sandbox_id, port, method, path) come from relay.core.answers.
@@ -42,16 +40,25 @@ _SERVED = (
     '"status":%d,"bytes_in":%d,"bytes_out":%d,"duration_ms":%.2f,"reason":null}\n'
 )
 FLUSH_AT = 64 * 1024
-PIPE_BUF = select.PIPE_BUF
-_write = os.write  # a name of its own, so that a test can count the calls
+WARN_EVERY_S = 60.0  # at most one warning about dropped lines in this time
 
 
 class AccessLog:
     """Where access-log lines go: a buffered binary stream, or the ``relay.access`` logger."""
 
-    __slots__ = ("_buffer", "_file", "_size", "_stream", "_torn", "buffering")
+    __slots__ = (
+        "_buffer",
+        "_dropped",
+        "_reported",
+        "_size",
+        "_stream",
+        "_warned_at",
+        "_writer",
+        "buffering",
+        "limit",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = PENDING_LIMIT) -> None:
         self._stream: BinaryIO | None = None
         # Lines as str, encoded once per flush, not once per line: every line is ASCII
         # (strings escaped by encode_basestring_ascii, numbers, JSON words), so a line's
@@ -59,19 +66,29 @@ class AccessLog:
         self._buffer: list[str] = []
         self._size = 0
         self.buffering = False  # configured with a stream: lines are always written
-        self._file = -1  # the stream's descriptor when it is a regular file (one write)
-        self._torn = False  # a write to that file stopped inside a line
+        self.limit = limit  # bytes waiting for the writer thread, at most
+        self._writer: Writer | None = None
+        self._dropped = 0  # lines dropped by the writers of earlier streams
+        self._reported = 0  # dropped lines a warning has told of
+        self._warned_at = -WARN_EVERY_S
 
     @property
     def enabled(self) -> bool:
         return self._stream is not None or logger.isEnabledFor(logging.INFO)
 
+    @property
+    def dropped(self) -> int:
+        """Lines lost so far: not taken by the sink in time, or lost to a failed write."""
+        writer = self._writer
+        return self._dropped + (writer.dropped if writer is not None else 0)
+
     def configure(self, stream: BinaryIO | None) -> None:
-        self.flush()
+        self.finish()
+        if self._writer is not None:
+            self._dropped += self._writer.dropped
         self._stream = stream
         self.buffering = stream is not None
-        self._file = _regular_file(stream)
-        self._torn = False
+        self._writer = None if stream is None else Writer(stream, self.limit)
 
     def write(
         self,
@@ -151,60 +168,41 @@ class AccessLog:
             self.flush()
 
     def flush(self) -> None:
-        stream, lines = self._stream, self._buffer
-        if stream is None or not lines:
+        """Hand the buffer to the writer thread as one block (the event loop never writes)."""
+        lines, writer = self._buffer, self._writer
+        if writer is None or not lines:
             return
         self._buffer = []
         self._size = 0
-        piece: list[str] = []
-        size = 0
-        try:
-            if self._file >= 0:
-                stream.flush()  # whatever else went to the stream goes out first
-                self._write_file(self._file, "".join(lines).encode())
-                return
-            for line in lines:
-                if size + len(line) > PIPE_BUF and piece:
-                    stream.write("".join(piece).encode())
-                    piece, size = [], 0
-                piece.append(line)
-                size += len(line)
-            stream.write("".join(piece).encode())
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # a closed or full stdout must not take the data path down with it
+        writer.put("".join(lines).encode(), len(lines))
+        if writer.dropped + self._dropped != self._reported:
+            self._report(final=False)
 
-    def _write_file(self, fd: int, data: bytes) -> None:
-        """All of ``data`` in one ``write`` (more only if the kernel writes it short).
+    def finish(self, timeout: float = EXIT_WAIT_S) -> bool:
+        """At exit: hand over the buffer and wait up to ``timeout`` for the thread to write
+        every block. False when the sink did not take them in time: what is left is counted
+        as dropped, and so is every later line (the thread may stay blocked in a write)."""
+        self.flush()
+        writer = self._writer
+        if writer is None:
+            return True
+        done = writer.finish(timeout)
+        self._report(final=True)
+        return done
 
-        A write cut short by a full disk, a quota or ``RLIMIT_FSIZE`` raises once nothing more
-        fits, and the rest of the buffer is lost; the file then ends inside a line, so the
-        next write starts with a line end: one broken line, not that one glued to the next.
-        """
-        if self._torn:
-            data = b"\n" + data
-        view = memoryview(data)
-        try:
-            while view:
-                written = _write(fd, view)
-                if not written:
-                    break  # never for a regular file; no loop for ever if it were
-                view = view[written:]
-        finally:
-            done = len(data) - len(view)
-            if done:
-                self._torn = data[done - 1] != 0x0A  # b"\n"
-
-
-def _regular_file(stream: BinaryIO | None) -> int:
-    """The stream's descriptor if it is a regular file, else -1."""
-    if stream is None:
-        return -1
-    try:
-        fd = stream.fileno()
-        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else -1
-    except (OSError, ValueError, AttributeError):  # no descriptor (io.UnsupportedOperation)
-        return -1
+    def _report(self, *, final: bool) -> None:
+        """One warning for the lines dropped since the last one, at most every WARN_EVERY_S
+        (``final``: at exit, whenever some were)."""
+        dropped, now = self.dropped, time.monotonic()
+        if dropped == self._reported or (not final and now - self._warned_at < WARN_EVERY_S):
+            return
+        reason = self._writer.reason if self._writer is not None else ""
+        log.warning(
+            "access log: %d line(s) dropped (%s); relay_access_log_dropped_lines_total counts them",
+            dropped - self._reported,
+            reason,
+        )
+        self._reported, self._warned_at = dropped, now
 
 
 ACCESS_LOG = AccessLog()
@@ -213,3 +211,6 @@ ACCESS_LOG = AccessLog()
 def configure(stream: BinaryIO | None) -> None:
     """``relay serve``: write access lines to ``stream`` (stdout), buffered."""
     ACCESS_LOG.configure(stream)
+    # Relay.stop finishes the log; this covers any other way out (once, however often called).
+    atexit.unregister(ACCESS_LOG.finish)
+    atexit.register(ACCESS_LOG.finish)

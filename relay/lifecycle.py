@@ -187,10 +187,13 @@ class Lifecycle:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self.worker is not None:
-                with contextlib.suppress(OSError):
-                    metrics.write_snapshot(self.worker.metrics_dir, metrics.snapshot(relay))
-            await relay.stop()
+            try:
+                await relay.stop()
+            finally:
+                # After the stop: its access-log lines dropped at exit count too.
+                if self.worker is not None:
+                    with contextlib.suppress(OSError):
+                        metrics.write_snapshot(self.worker.metrics_dir, metrics.snapshot(relay))
             self.notifier.status("stopped")
             self.notifier.close()
             log.info("stopped")

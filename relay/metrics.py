@@ -47,6 +47,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from relay import __version__
+from relay.accesslog import ACCESS_LOG
 from relay.observe import AUTH_REASONS, CONNECT_BUCKETS, FIRST_BYTE_BUCKETS, Histogram
 
 if TYPE_CHECKING:
@@ -118,6 +119,11 @@ SPECS: dict[str, Spec] = {
     "relay_reloads": Spec("counter", "Configuration reloads (SIGHUP), by result", ("result",)),
     "relay_tls_reloads": Spec(
         "counter", "TLS certificate reloads (SIGHUP), by result", ("result",)
+    ),
+    "relay_access_log_dropped_lines": Spec(
+        "counter",
+        "Access-log lines dropped: standard output did not take them in time (8 MiB waiting, "
+        "or still stalled at exit) or a write failed",
     ),
     "relay_client_connections": Spec("gauge", "Open client connections"),
     "relay_active_exchanges": Spec(
@@ -196,6 +202,7 @@ def snapshot(relay: Relay) -> Snapshot:
             "relay_feed_events": [[[], getattr(relay.feed, "events", 0)]],
             "relay_reloads": _pairs(obs.reloads.items()),
             "relay_tls_reloads": _pairs(obs.tls_reloads.items()),
+            "relay_access_log_dropped_lines": [[[], ACCESS_LOG.dropped]],
         },
         "histograms": {
             "relay_first_byte_seconds": [

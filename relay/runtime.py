@@ -475,7 +475,9 @@ class Relay:
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
-        ACCESS_LOG.flush()
+        # Blocks the loop for at most accesslog.EXIT_WAIT_S, with nothing left to serve: a
+        # stalled standard output does not keep relay from exiting (relay.accesswriter).
+        ACCESS_LOG.finish()
 
 
 class WorkerRelay(Relay):

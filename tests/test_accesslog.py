@@ -13,13 +13,14 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay import accesslog
+from relay import accesslog, accesswriter
 from relay.accesslog import AccessLog
 from relay.core.answers import log_members
 from relay.core.decide import Settings, decide
@@ -34,7 +35,7 @@ TABLE = RouteTable.of(
 
 
 def _lines(log: AccessLog, stream: io.BytesIO) -> list[dict[str, object]]:
-    log.flush()
+    log.finish()  # the writer thread has written every line
     return [json.loads(line) for line in stream.getvalue().splitlines()]
 
 
@@ -69,7 +70,7 @@ def test_a_forwarded_line_is_json_and_matches_the_keyword_form(target: bytes) ->
         duration_ms=1.25,
         reason=None,
     )
-    log.flush()
+    log.finish()
     first, second = stream.getvalue().splitlines(keepends=True)
     assert first == second
     line = json.loads(first)
@@ -133,7 +134,7 @@ def test_the_usual_line_is_the_same_bytes_as_the_general_one(
     log.configure(stream)
     members = log_members("s", 49983, "GET", "/p")
     log.write_line(when, "::1", members, status, sizes[0], sizes[1], duration, reason)
-    log.flush()
+    log.finish()
     general = accesslog._LINE % (
         when,
         '"::1"',
@@ -173,26 +174,14 @@ def test_lines_go_out_in_pipe_buf_pieces_cut_at_line_ends() -> None:
         log.write_line(
             float(i), "192.0.2.1", log_members("s", 1, "GET", path), 200, 0, i, 1.0, None
         )
-    log.flush()
+    log.finish()
     assert len(stream.writes) > 1
     for piece in stream.writes:
         assert piece.endswith(b"\n")
-        assert len(piece) <= accesslog.PIPE_BUF
+        assert len(piece) <= accesswriter.PIPE_BUF
     lines = b"".join(stream.writes).splitlines()
     assert [json.loads(line)["path"] for line in lines] == paths
     assert [json.loads(line)["bytes_out"] for line in lines] == list(range(len(paths)))
-
-
-class _FileWrites(io.FileIO):
-    """A real file descriptor (a file or a pipe) whose writes are counted."""
-
-    def __init__(self, target: str | int, mode: str) -> None:
-        super().__init__(target, mode)
-        self.writes: list[bytes] = []
-
-    def write(self, data: bytes) -> int:  # type: ignore[override]
-        self.writes.append(bytes(data))
-        return super().write(data)
 
 
 def _fill(log: AccessLog, lines: int) -> list[str]:
@@ -201,7 +190,7 @@ def _fill(log: AccessLog, lines: int) -> list[str]:
         log.write_line(
             float(i), "192.0.2.1", log_members("s", 1, "GET", path), 200, 0, i, 1.0, None
         )
-    log.flush()
+    assert log.finish()
     return paths
 
 
@@ -216,13 +205,13 @@ def test_a_regular_file_gets_the_buffer_in_one_write(
         writes.append(len(data))
         return os.write(fd, data)
 
-    monkeypatch.setattr(accesslog, "_write", counted)
+    monkeypatch.setattr(accesswriter, "_write", counted)
     with (tmp_path / "access.log").open("ab") as stream:
         log = AccessLog()
         log.configure(stream)
         paths = _fill(log, 200)
     assert len(writes) == 1
-    assert writes[0] > accesslog.PIPE_BUF
+    assert writes[0] > accesswriter.PIPE_BUF
     lines = (tmp_path / "access.log").read_bytes().splitlines()
     assert [json.loads(line)["path"] for line in lines] == paths
 
@@ -243,7 +232,7 @@ with open(path, "ab") as stream:
         for i in range(count):
             members = log_members("s", 1, "GET", f"/{phase}{i}-" + "x" * 300)
             log.write_line(float(i), "192.0.2.1", members, 200, 0, i, 1.0, None)
-        log.flush()
+        log.finish()  # written by the writer thread before the limit changes
 """
 
 
@@ -281,17 +270,24 @@ def _is_json(line: bytes) -> bool:
     return True
 
 
-def test_a_pipe_still_gets_pipe_buf_pieces() -> None:
+def test_a_pipe_still_gets_pipe_buf_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    writes: list[int] = []
+
+    def counted(fd: int, data: memoryview) -> int:
+        writes.append(len(data))
+        return os.write(fd, data)
+
+    monkeypatch.setattr(accesswriter, "_write", counted)
     read_fd, write_fd = os.pipe()
-    stream = _FileWrites(write_fd, "wb")
+    stream = open(write_fd, "wb")  # noqa: SIM115 - closed below, before the pipe is read
     log = AccessLog()
     log.configure(stream)
     paths = _fill(log, 150)  # ~35 KiB: within the pipe's 64 KiB, so no reader is needed
     stream.close()
     with os.fdopen(read_fd, "rb") as reader:
         lines = reader.read().splitlines()
-    assert len(stream.writes) > 1
-    assert all(len(piece) <= accesslog.PIPE_BUF for piece in stream.writes)
+    assert len(writes) > 1
+    assert all(size <= accesswriter.PIPE_BUF for size in writes)
     assert [json.loads(line)["path"] for line in lines] == paths
 
 
@@ -300,11 +296,14 @@ def test_a_full_buffer_is_written_without_waiting_for_the_sweep() -> None:
     log = AccessLog()
     log.configure(stream)
     members = log_members(None, None, None, None)
-    count = 0
-    while not stream.writes:  # each line is ~150 bytes: FLUSH_AT is reached within ~450
-        log.write_line(float(count), "::1", members, None, 0, 0, None, "x")
-        count += 1
-        assert count < accesslog.FLUSH_AT
+    size = len(accesslog._LINE % (1.0, '"::1"', members, "null", 0, 0, "null", '"x"'))
+    count = -(-accesslog.FLUSH_AT // size)  # the line that reaches FLUSH_AT hands them over
+    for _ in range(count):
+        log.write_line(1.0, "::1", members, None, 0, 0, None, "x")
+    deadline = time.monotonic() + 5
+    while len(b"".join(stream.writes).splitlines()) < count:  # the writer thread's writes
+        assert time.monotonic() < deadline, "not written"
+        time.sleep(0.01)
     written = b"".join(stream.writes)
     assert len(written) >= accesslog.FLUSH_AT
     assert len(written.splitlines()) == count
@@ -338,9 +337,9 @@ def test_a_long_path_is_cut_so_that_its_line_fits_in_pipe_buf(char: str) -> None
     log.write_line(
         1.0, "192.0.2.1", log_members("s" * 64, 49983, "OPTIONS", path), 200, 0, 0, 1.0, None
     )
-    log.flush()
+    log.finish()
     (piece,) = stream.writes
-    assert len(piece) <= accesslog.PIPE_BUF
+    assert len(piece) <= accesswriter.PIPE_BUF
     logged = json.loads(piece)["path"]
     assert logged.endswith("…")
     assert path.startswith(logged[:-1])

@@ -189,6 +189,7 @@ class RelayProcess:
     args: list[str] = field(default_factory=list)  # extra ``relay serve`` arguments
     close_stdout: bool = False  # start with descriptor 1 closed (``relay serve >&-``)
     nofile: tuple[int, int] | None = None  # start with this RLIMIT_NOFILE (``ulimit -n``)
+    stdout_fd: int | None = None  # standard output on this descriptor (a pipe), not a file
 
     @property
     def url(self) -> str:
@@ -227,7 +228,7 @@ class RelayProcess:
         self.stderr = (self.tmp_path / "relay.stderr").open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "relay", "serve", "--config", str(config), *self.args],
-            stdout=self.stdout,
+            stdout=self.stdout if self.stdout_fd is None else self.stdout_fd,
             stderr=self.stderr,
             env=self.env,
             preexec_fn=self._preexec,  # noqa: PLW1509

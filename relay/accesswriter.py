@@ -1,0 +1,223 @@
+"""The access log's writer: a thread that writes the flushed blocks to standard output.
+
+The writes run in a thread of their own, never on the event loop. Standard output is a pipe or
+a socket (journald, under systemd) whose reader can stall: journald busy or stuck, ``relay
+serve | slow-reader``, a terminal paused with Ctrl-S. A write then blocks, and made from the
+loop it stopped every sandbox's traffic until the reader came back, and kept relay from
+exiting (found by review; tests/test_accesslog_sink.py). Now a flush encodes the buffer into
+one block and appends it to a queue under a lock (once per flush, never per line: a line's
+own path is unchanged), and one daemon thread per process, started at the first block, writes the
+blocks in order. Lines are never reordered. When the sink is slower than the traffic, blocks
+wait, up to :data:`PENDING_LIMIT` bytes per process; beyond it whole blocks are dropped,
+counted (``relay_access_log_dropped_lines_total``) and said on stderr through the ``relay``
+logger at most once a minute (stderr may be stalled too, which a warning that rare accepts).
+8 MiB is ~40,000 lines: about 2 s of a worker serving 20,000 requests/s, minutes of a quieter
+one, enough to ride out a pause of journald's; a longer stall would only postpone the loss,
+with every worker holding the memory. At exit relay waits :data:`EXIT_WAIT_S` for the queue;
+a sink still stalled then does not keep relay from exiting: the rest is counted as dropped. A
+write that fails (the reader gone, a full disk) loses its lines, counted alike.
+
+The thread writes to the descriptor (``os.write``), not through ``sys.stdout.buffer``: a
+daemon thread blocked inside a ``BufferedWriter`` holds its lock, and the interpreter's flush
+of stdout at exit then aborts the process ("could not acquire lock ... at interpreter
+shutdown"). Writes go out in pieces of at most ``PIPE_BUF`` bytes cut at line ends, so lines
+from several workers sharing one pipe (journald) never interleave.
+
+To a regular file (``relay serve > access.log``) a block goes out in one ``write``: Linux
+holds the file's lock for the whole of a write to a regular file, so another worker's write
+lands before or after it, never inside (``PIPE_BUF`` is a pipe's rule). A flush of 64 KiB in
+4 KiB pieces took ~110 µs here, every ~300 requests of a busy worker; in one write it takes
+~20 µs (bench/README.md, "A seventh host").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import stat
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import BinaryIO
+
+log = logging.getLogger("relay")
+
+PIPE_BUF = select.PIPE_BUF
+PENDING_LIMIT = 8 * 1024 * 1024  # bytes handed to the writer and not yet written (see above)
+EXIT_WAIT_S = 2.0  # at exit, for the sink to take what is left
+_write = os.write  # a name of its own, so that a test can count the calls
+
+
+class Writer:
+    """The thread that writes one stream's blocks, and the blocks waiting for it."""
+
+    def __init__(self, stream: BinaryIO, limit: int) -> None:
+        self.stream = stream
+        self.fd = _descriptor(stream)  # -1: a stream without one (tests): its write()
+        self.file = self.fd >= 0 and _regular_file(self.fd)
+        if self.fd >= 0:
+            # What went to the stream's own buffer before goes first; the thread then
+            # writes the descriptor (see the module's docstring).
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        self.limit = limit
+        self.torn = False  # a write to the file stopped inside a line
+        self.ready = threading.Condition(threading.Lock())
+        # Under ``ready``:
+        self.blocks: deque[tuple[bytes, int]] = deque()  # (bytes, lines), oldest first
+        self.pending = 0  # bytes in ``blocks`` and in the block being written
+        self.writing = 0  # lines of the block being written
+        self.dropped = 0
+        self.reason = ""  # why lines were last dropped, for the warning
+        self.closing = False  # finish(): the thread ends once nothing waits
+        self.given_up = False  # finish() timed out: the sink is stalled, lines are dropped
+        self.thread: threading.Thread | None = None
+
+    def put(self, data: bytes, lines: int) -> None:
+        with self.ready:
+            if self.given_up or self.pending + len(data) > self.limit:
+                self.dropped += lines
+                self.reason = (
+                    "standard output stalled at exit"
+                    if self.given_up
+                    else f"standard output is not keeping up: {self.limit >> 10} KiB waiting"
+                )
+                return
+            self.blocks.append((data, lines))
+            self.pending += len(data)
+            self.closing = False
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, name="relay-access-log", daemon=True
+                )
+                self.thread.start()
+            else:
+                self.ready.notify()
+
+    def finish(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.ready:
+            if self.given_up:
+                return False
+            self.closing = True
+            self.ready.notify()
+            while self.thread is not None:  # it ends once every block is written
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.ready.wait(left)
+            if self.thread is None:
+                return True
+            self.given_up = True
+            self.dropped += self.writing + sum(lines for _, lines in self.blocks)
+            self.blocks.clear()
+            self.reason = f"standard output took nothing for {timeout:g} s at exit"
+            return False
+
+    def _run(self) -> None:
+        ready = self.ready
+        while True:
+            with ready:
+                while not self.blocks:
+                    if self.closing or self.given_up:
+                        self.thread = None
+                        ready.notify_all()
+                        return
+                    ready.wait()
+                data, lines = self.blocks.popleft()
+                self.writing = lines
+            try:
+                lost, reason = self._write_file(data) if self.file else self._write_pieces(data)
+            except Exception:  # a bug here must not stop the access log for good
+                log.exception("internal error in the access-log writer")
+                lost, reason = lines, "internal error"
+            with ready:
+                if self.given_up:
+                    return  # finish() counted this block: relay is exiting
+                self.pending -= len(data)
+                self.writing = 0
+                if lost:
+                    self.dropped += lost
+                    self.reason = reason
+                ready.notify_all()
+
+    def _write_pieces(self, data: bytes) -> tuple[int, str]:
+        """``data`` in pieces of at most PIPE_BUF bytes cut at line ends; the lines lost to
+        an error (a closed or broken pipe) and why."""
+        view = memoryview(data)
+        start = 0
+        try:
+            for end in _cuts(data):
+                if self.fd < 0:
+                    self.stream.write(data[start:end])
+                    start = end
+                while start < end:
+                    written = _write(self.fd, view[start:end])
+                    if not written:
+                        raise OSError("wrote nothing")  # never for a pipe; no loop for ever
+                    start += written
+            if self.fd < 0:
+                self.stream.flush()
+        except (OSError, ValueError) as exc:
+            return data.count(b"\n", start), f"write failed: {_why(exc)}"
+        return 0, ""
+
+    def _write_file(self, data: bytes) -> tuple[int, str]:
+        """All of ``data`` in one ``write`` (more only if the kernel writes it short).
+
+        A write cut short by a full disk, a quota or ``RLIMIT_FSIZE`` raises once nothing more
+        fits, and the rest of the block is lost; the file then ends inside a line, so the
+        next write starts with a line end: one broken line, not that one glued to the next.
+        """
+        skip = 0
+        if self.torn:
+            data, skip = b"\n" + data, 1
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < len(data):
+                written = _write(self.fd, view[done:])
+                if not written:
+                    break  # never for a regular file; no loop for ever if it were
+                done += written
+        except OSError as exc:
+            return data.count(b"\n", max(done, skip)), f"write failed: {_why(exc)}"
+        finally:
+            if done:
+                self.torn = data[done - 1] != 0x0A  # b"\n"
+        return 0, ""
+
+
+def _cuts(data: bytes) -> Iterator[int]:
+    """Where pieces of at most PIPE_BUF bytes of ``data`` end, each at a line end (a line
+    longer than PIPE_BUF, which relay.core.answers prevents, would go whole in its own)."""
+    start, size = 0, len(data)
+    while size - start > PIPE_BUF:
+        end = data.rfind(b"\n", start, start + PIPE_BUF) + 1
+        if end <= start:
+            end = data.find(b"\n", start + PIPE_BUF) + 1 or size
+        yield end
+        start = end
+    yield size
+
+
+def _why(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _descriptor(stream: BinaryIO) -> int:
+    """The stream's descriptor, or -1 (io.BytesIO: io.UnsupportedOperation)."""
+    try:
+        return stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return -1
+
+
+def _regular_file(fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        return False
