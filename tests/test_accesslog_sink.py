@@ -102,12 +102,14 @@ def test_a_stdout_nobody_reads_does_not_stall_requests_or_the_exit(tmp_path: Pat
         if write_fd >= 0:
             os.close(write_fd)
         relay.stop()
-    # What the pipe took: whole lines, in order.
+    # What the pipe took: whole lines, in order; the warnings account for every other line.
     lines = [json.loads(line) for line in data.splitlines()]
     assert lines
     assert all(line["path"] == PATH and line["status"] == 404 for line in lines)
     times = [line["time"] for line in lines]
     assert times == sorted(times)
+    told = re.findall(r"access log: (\d+) line", (tmp_path / "relay.stderr").read_text())
+    assert len(lines) + sum(map(int, told)) == FILL + 1
 
 
 def _numbered(log: AccessLog, first: int, count: int) -> None:
