@@ -1,4 +1,4 @@
-"""The unmodified E2B SDKs through a real relay, both URL forms: Python 2.25.0, 2.52.0, 2.63.0
+"""The unmodified E2B SDKs through a real relay, both URL forms: Python 2.25.0, 2.52.0, 2.64.0
 and JavaScript 2.8.4, 2.51.0.
 
 Each Python release lives in its own cached virtualenv (tests/.cache/, created on first use; the

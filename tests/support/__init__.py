@@ -5,7 +5,7 @@
 - ``fake_app.FakeApp``: an application port: HTTP echo, timed chunked stream, WebSocket echo.
 - ``fake_api.FakeApi``: the control-plane calls the SDK makes to get a sandbox handle.
 - ``connect``: envelope helpers and a raw asyncio Connect client (per-frame arrival times).
-- ``sdk_scenario``: the driver run with the real ``e2b`` SDK (2.25, 2.52, 2.63) in its own
+- ``sdk_scenario``: the driver run with the real ``e2b`` SDK (2.25, 2.52, 2.64) in its own
   virtualenv (``sdk_venv`` creates and caches those); one JSON line per check.
 - ``sdk_matrix``: one run of the SDK matrix (a relay process, the fakes, the driver);
   ``compat_table`` renders the results as README.md's compatibility table.

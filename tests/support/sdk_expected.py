@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tests.support.sdk_matrix import UNKNOWN_ID
 
-PY_VERSIONS = ("2.25.0", "2.52.0", "2.63.0")  # Harbor's pin, the notes' reference, newest on PyPI
+PY_VERSIONS = ("2.25.0", "2.52.0", "2.64.0")  # Harbor's pin, the notes' reference, newest on PyPI
 # The JS SDK (npm ``e2b``): a year-old release and the newest; pinned in
 # tests/support/js/package-lock.json.
 JS_RELEASES = ("2.8.4", "2.51.0")

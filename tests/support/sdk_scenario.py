@@ -1,6 +1,6 @@
 """Drive a sandbox with the real ``e2b`` SDK and report what happened, one JSON line per check.
 
-Runs in a separate virtualenv holding one exact ``e2b`` release (2.25.0, 2.52.0 or 2.63.0), so it
+Runs in a separate virtualenv holding one exact ``e2b`` release (2.25.0, 2.52.0 or 2.64.0), so it
 imports only the standard library and ``e2b``, and copes with the differences between those
 releases (2.25 speaks httpx, 2.52+ pyqwest; 2.25 has no ``close_stdin``...).
 
