@@ -17,7 +17,6 @@ cell. The results go to ``tests/.cache/sdk-matrix.json``, from which
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
@@ -51,7 +50,7 @@ from tests.support.sdk_matrix import (
     Driver,
     RunResult,
     python_driver,
-    run_one,
+    run_all,
 )
 from tests.support.sdk_node import ensure_js, js_driver
 from tests.support.sdk_venv import CACHE, SdkUnavailable, ensure_sdk
@@ -140,15 +139,6 @@ def _install_all() -> tuple[dict[str, Driver], dict[str, float], str]:
     return drivers, seconds, ""
 
 
-async def _run_all(drivers: dict[str, Driver], tmp: Path) -> tuple[list[RunResult], float]:
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    runs = await asyncio.gather(
-        *(run_one(drivers[v], v, f, tmp / f"{v}-{f}") for v in drivers for f in FORMS)
-    )
-    return list(runs), loop.time() - started
-
-
 def _evaluate(runs: list[RunResult]) -> Matrix:
     matrix = Matrix(
         runs={},
@@ -200,7 +190,7 @@ def _write_results(matrix: Matrix) -> None:
 def run_matrix(tmp: Path) -> Matrix:
     """The whole matrix, once per session (tests/test_sdk_matrix_js.py shares it)."""
     drivers, install_seconds, js_unavailable = _install_all()
-    runs, seconds = uvloop.run(_run_all(drivers, tmp))
+    runs, seconds = uvloop.run(run_all(drivers, tmp))
     result = _evaluate(runs)
     result.install_seconds = install_seconds
     result.seconds = seconds

@@ -168,6 +168,30 @@ async def _wait_routes(relay: RelayProcess, count: int, timeout: float = 10.0) -
     raise RuntimeError(f"relay did not report {count} routes within {timeout} s")
 
 
+async def run_all(
+    drivers: dict[str, Driver], tmp: Path, forms: tuple[str, ...] = FORMS
+) -> tuple[list[RunResult], float]:
+    """Every release in every URL form, in parallel; the runs and the seconds they took.
+
+    A run that raises is reported only once every other run has ended and cleaned up: left
+    running, they were cancelled by ``uvloop.run`` on its way out, and one cancelled before its
+    fakes were in its ``try`` left servers open whose ResourceWarning (an error under
+    ``-W error``) kept ``loop.close()`` waiting forever (tests/support_tests/
+    test_sdk_matrix_runs.py).
+    """
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcomes = await asyncio.gather(
+        *(run_one(drivers[v], v, f, tmp / f"{v}-{f}") for v in drivers for f in forms),
+        return_exceptions=True,
+    )
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    runs = [outcome for outcome in outcomes if isinstance(outcome, RunResult)]
+    return runs, loop.time() - started
+
+
 async def run_one(driver: Driver, version: str, form: str, tmp: Path) -> RunResult:
     started = time.monotonic()
     await asyncio.to_thread(tmp.mkdir, parents=True, exist_ok=True)
