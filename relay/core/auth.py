@@ -28,6 +28,8 @@ from relay.core.policy import percent_decode
 SIGNED_PARAMS = frozenset({b"path", b"username", b"signature", b"signature_expiration"})
 STRIPPED_PARAMS = frozenset({b"signature", b"signature_expiration"})
 _EXPIRATION = re.compile(rb"[0-9]{1,19}")
+# A name without the brackets and spaces around it and what follows its first bracket.
+_CREDENTIAL_NAME = re.compile(rb"[\[\] ]*([^\[\]]*)")
 _INT64_MAX = 2**63 - 1
 
 UNAUTHORIZED = Reject(reason=Reason.ENVD_UNAUTHORIZED)
@@ -94,18 +96,36 @@ def signed_params(raw: bytes) -> dict[bytes, list[bytes]]:
 def strip_signature_params(raw_query: bytes) -> bytes:
     """Remove ``signature`` and ``signature_expiration`` pairs, keeping the rest in order.
 
-    Matching is lenient on purpose (a malformed escape still matches its name once decoded as
-    far as possible), so that no spelling of a credential can slip past the strip.
+    Matching is lenient on purpose, so that no spelling of a credential that an upstream's
+    query parser reads as one can slip past the strip (:func:`_names_a_credential`). A pair
+    is an ``&``-separated segment, as for Go; one whose ``;``-separated part names a
+    credential is dropped whole, never cut at the ``;``: Go >= 1.17 ignored the whole segment
+    when relay verified the URL (``signed_params``), and ``username=root;signature=x`` cut
+    to ``username=root`` would hand envd, which runs without a token in strip mode, a
+    username the signature never covered.
     """
     kept = []
     for segment in raw_query.split(b"&"):
-        key = segment.partition(b"=")[0]
-        decoded = go_query_unescape(key)
-        name = decoded if decoded is not None else key
-        if name.lower() in STRIPPED_PARAMS or key.lower() in STRIPPED_PARAMS:
+        if any(_names_a_credential(part) for part in segment.split(b";")):
             continue
         kept.append(segment)
     return b"&".join(kept)
+
+
+def _names_a_credential(pair: bytes) -> bool:
+    """Whether a query parser would read ``pair`` as a signature parameter.
+
+    Besides Go's spelling (the name decoded once): any letter case; ``;`` as a separator
+    (W3C's HTML 4.01 §B.2.2 suggested it; Rails' ``ActionDispatch::QueryParser``, Rack 2,
+    Perl's CGI and Go < 1.17 split on it); brackets (``signature[]`` and ``signature[x]`` are
+    ``signature`` to Rails' ``normalize_params`` and PHP, ``[signature]`` to Rails) and
+    spaces around the name (PHP drops leading ones). A malformed escape leaves the raw name.
+    """
+    key = pair.partition(b"=")[0]
+    decoded = go_query_unescape(key)
+    name = decoded if decoded is not None else key
+    match = _CREDENTIAL_NAME.match(name)
+    return match is not None and match.group(1).strip(b" ").lower() in STRIPPED_PARAMS
 
 
 def tokens_equal(given: bytes, expected: str) -> bool:

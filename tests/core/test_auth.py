@@ -248,6 +248,12 @@ def test_go_parse_query_drops_semicolons_and_bad_escapes() -> None:
         (b"signature=a&SIGNATURE=b&sig%6eature=c&z=1", b"z=1"),
         (b"signature_expiration", b""),
         (b"a=1&b=2", b"a=1&b=2"),
+        # Spellings other parsers read as a signature (Rails: ';', brackets; PHP: spaces).
+        (b"a=1;signature=b&c=1", b"c=1"),
+        (b"signature[]=a&%5Bsignature%5D=b&+signature=c&sig%6Eature[x]=d&z=1", b"z=1"),
+        (b"signatures=1&signature_x=2&x;y", b"signatures=1&signature_x=2&x;y"),
+        # Dropped whole: cut at its ';', the pair Go ignored would become username=root.
+        (b"username=root;signature=x&x=1", b"x=1"),
     ],
 )
 def test_strip_signature_params(query: bytes, kept: bytes) -> None:
