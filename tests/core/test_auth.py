@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.core.auth import (
@@ -18,6 +20,7 @@ from relay.core.auth import (
     strip_signature_params,
 )
 from relay.core.model import Reason, Route
+from tests.support.envd_files import go_url_query
 
 # notes/e2b-protocol.md §7: computed with the 2.52.0 SDK's get_signature, cross-checked
 # with openssl. (path, op, user, token, absolute expiration, signature)
@@ -292,3 +295,74 @@ def test_signed_params_are_what_go_would_read(pairs: list[tuple[bytes, bytes, by
         if key in SIGNED_PARAMS:
             expected.setdefault(key, []).append(value)
     assert signed_params(raw) == expected
+
+
+# Pairs a client may add to a signed URL: repeated, encoded, ';'-joined or malformed names
+# and values, and spellings of a signature other parsers read (review G).
+NOISE = [
+    "path=%2Fetc%2Fpasswd",
+    "path=",
+    "username=root",
+    "username=",
+    "pa%74h=%2Fetc",
+    "PATH=%2Fetc",
+    "path+=%2Fetc",
+    "username=root;signature=x",
+    "path=%2Fetc;signature_expiration=1",
+    "x=1;signature=y",
+    "path=%2Fetc;x",
+    "signature[]=x",
+    "+signature=x",
+    "sig%6Eature=x",
+    "signature_expiration=1",
+    "%zz=1",
+    "path=%zz",
+    "username=%2",
+    "x=1",
+    "",
+]
+
+
+@settings(max_examples=300)
+@given(
+    user=st.sampled_from(["", "user", "root"]),
+    exp=st.sampled_from([None, 10, 99]),
+    noise=st.lists(st.sampled_from(NOISE), max_size=4),
+    order=st.randoms(use_true_random=False),
+    joiner=st.lists(st.sampled_from(["&", ";"]), min_size=8, max_size=8),
+)
+def test_what_relay_verifies_is_what_envd_binds(
+    user: str,
+    exp: int | None,
+    noise: list[str],
+    order: random.Random,
+    joiner: list[str],
+) -> None:
+    """In strip mode envd has no token and binds the forwarded query as Go does: whatever
+    relay admits as signed must reach it with exactly the path and username (present or
+    not) that the signature covered, one of each at most, and no signature."""
+    signature = _quote(file_signature("/a b", "read", user, "tok", exp))
+    pairs = ["path=%2Fa+b", f"signature={signature}", *noise]
+    if user:
+        pairs.append(f"username={user}")
+    if exp is not None:
+        pairs.append(f"signature_expiration={exp}")
+    order.shuffle(pairs)
+    query = pairs[0] + "".join(j + p for j, p in zip(joiner, pairs[1:], strict=False))
+    request = EnvdRequest(
+        method=b"GET", clean_path="/files", raw_query=query.encode(), access_token=None
+    )
+    route = Route(sandbox_id="s", address="10.0.0.2", envd_token="tok")
+    if check_envd(request, route, now=10) is not None:
+        return
+    verified = signed_params(query.encode())
+    bound = go_url_query(strip_signature_params(query.encode()).decode("latin-1"))
+    for name in ("path", "username"):
+        assert len(bound.get(name, [])) <= 1, (query, bound)
+        relay_saw = verified.get(name.encode())
+        envd_sees = bound.get(name)
+        assert (relay_saw is None) == (envd_sees is None), (name, query, bound)
+        if relay_saw is not None and envd_sees is not None:
+            assert relay_saw[0] == envd_sees[0].encode("latin-1"), (name, query, bound)
+    assert "signature" not in bound
+    assert "signature_expiration" not in bound
