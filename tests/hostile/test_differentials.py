@@ -165,12 +165,13 @@ def lenient_names(raw_query: bytes) -> set[str]:
     return names
 
 
-async def forwarded(hostile: Hostile, raw: bytes, *, head: bool = False) -> tuple[int, Request]:
+async def forwarded(hostile: Hostile, raw: bytes) -> Request:
+    """The one request the upstream got for ``raw`` (the recorder answers it 200)."""
     mark = hostile.recorder.mark()
-    response, _ = await exchange(hostile.port, raw, head=head, linger=0)
+    response, _ = await exchange(hostile.port, raw, linger=0)
     assert response.status == 200, (raw, response.status, response.body)
     (seen,) = await hostile.recorder.wait_for(mark, 1)
-    return response.status, seen
+    return seen
 
 
 async def refused(hostile: Hostile, raw: bytes, status: int, *, head: bool = False) -> None:
@@ -190,7 +191,7 @@ async def test_a_signed_url_reaches_envd_as_signed(
     if isinstance(expect, int):
         await refused(hostile, raw, expect, head=method == "HEAD")
         return
-    _, seen = await forwarded(hostile, raw)
+    seen = await forwarded(hostile, raw)
     assert seen.target.partition(b"?")[0] == expect.target_path.encode()
     assert envd_view(seen) == (expect.path, expect.username)
     assert not lenient_names(seen.target.partition(b"?")[2]) & {
@@ -200,8 +201,8 @@ async def test_a_signed_url_reaches_envd_as_signed(
 
 
 SIGNATURE = sig()
-# (id, query) sent to an app port and to envd: no parser above may find a signature in what
-# the upstream gets.
+# (id, query) sent to an app port: no parser named above may find a signature in what the
+# app gets.
 SPELLINGS: list[tuple[str, str]] = [
     ("plain", f"a=1&signature={SIGNATURE}"),
     ("upper-case", f"a=1&SIGNATURE={SIGNATURE}"),
@@ -222,7 +223,7 @@ SPELLINGS: list[tuple[str, str]] = [
 
 @pytest.mark.parametrize("query", [c[1] for c in SPELLINGS], ids=[c[0] for c in SPELLINGS])
 async def test_no_spelling_of_a_signature_reaches_an_app(hostile: Hostile, query: str) -> None:
-    _, seen = await forwarded(hostile, request_bytes("GET", f"/page?{query}", hostile.app))
+    seen = await forwarded(hostile, request_bytes("GET", f"/page?{query}", hostile.app))
     assert not lenient_names(seen.target.partition(b"?")[2]) & {
         "signature",
         "signature_expiration",
@@ -237,7 +238,7 @@ async def test_a_pair_go_ignores_is_dropped_whole_not_cut(hostile: Hostile) -> N
     Go >= 1.17 ignored when relay verified the URL (signed for the default user) made live
     for envd, which runs without a token in strip mode and would act as root."""
     target = f"/files?{BASE}&username=root;signature=x&x=1"
-    _, seen = await forwarded(hostile, request_bytes("GET", target, hostile.envd))
+    seen = await forwarded(hostile, request_bytes("GET", target, hostile.envd))
     assert seen.target == f"/files?path={q(A)}&x=1".encode()
     assert envd_view(seen) == (A, None)
 
@@ -277,7 +278,7 @@ async def test_access_token_fields(
     if status != 200:
         await refused(hostile, raw, status)
         return
-    _, seen = await forwarded(hostile, raw)
+    seen = await forwarded(hostile, raw)
     names = {name.lower().replace(b"_", b"-") for name, _ in seen.headers}
     assert not names & {b"x-access-token", b"e2b-traffic-access-token"}, seen.headers
 
@@ -313,7 +314,7 @@ async def test_traffic_token_fields(
     if status != 200:
         await refused(hostile, raw, status)
         return
-    _, seen = await forwarded(hostile, raw)
+    seen = await forwarded(hostile, raw)
     names = {name.lower().replace(b"_", b"-") for name, _ in seen.headers}
     assert not names & {b"x-access-token", b"e2b-traffic-access-token"}, seen.headers
 
@@ -378,6 +379,6 @@ async def test_routing_forms_that_disagree_route_nowhere(hostile: Hostile) -> No
         if status != 200:
             await refused(hostile, raw, status)
             continue
-        _, seen = await forwarded(hostile, raw)
+        seen = await forwarded(hostile, raw)
         assert seen.port == ports["envd"], name
         assert seen.header(b"host") == [host.encode()], name
