@@ -9,10 +9,11 @@ Usage::
     async with FakeEnvd(access_token="tok") as envd:     # envd that checks X-Access-Token itself
         ...
 
-Request handling follows envd's ``main.go`` middleware order: CORS (rs/cors) → access token
-(``internal/api/auth.go WithAuthorization``) → Basic-auth user (``permissions/authenticate.go``)
-→ routes (chi: the generated ``api.gen.go`` routes plus the Connect handlers of
-``process.Process`` and ``filesystem.Filesystem``). See the ``envd_*`` modules for each part.
+Request handling follows envd's ``main.go`` middleware order: Go's target parsing → CORS
+(rs/cors) → access token (``internal/api/auth.go WithAuthorization``) → Basic-auth user
+(``permissions/authenticate.go``) → routes (chi, on the path as sent: the generated
+``api.gen.go`` routes plus the Connect handlers of ``process.Process`` and
+``filesystem.Filesystem``; see ``envd_routes``). See the ``envd_*`` modules for each part.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tests.support.connect import (
 from tests.support.envd_files import CORS_FIELDS, FilesApi, json_error
 from tests.support.envd_filesystem import FilesystemService
 from tests.support.envd_process import ProcessService
+from tests.support.envd_routes import GoPath, parse_target, route
 from tests.support.envd_rpc import Call, StreamMethod, UnaryMethod, keepalive_interval
 from tests.support.fake_server import FakeServer, read_body
 from tests.support.records import RecordHandle
@@ -151,15 +153,26 @@ class FakeEnvd(FakeServer):
     # -- dispatch -------------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest, record: RecordHandle) -> web.StreamResponse:
+        target = parse_target(request.raw_path)
+        if target is None:
+            # net/http's answer to a target url.ParseRequestURI refuses (a bad % escape),
+            # written before any handler (and so before rs/cors) runs.
+            refused = web.Response(
+                status=400,
+                body=b"400 Bad Request",
+                headers={"Content-Type": "text/plain; charset=utf-8"},
+            )
+            refused.force_close()  # net/http closes the connection after it
+            return refused
         # rs/cors 1.11.1 (cors.go Handler): any OPTIONS whose (first) Access-Control-Request-
         # Method is not empty is a preflight, answered here, before the token check, with or
-        # without an Origin.
+        # without an Origin, whatever the path.
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             return _cors_preflight(request)
         # rs/cors sets its fields before envd's handler runs: a handler that streams its
         # answer (a download) sends them with its head (FilesApi reads them from here).
         request[CORS_FIELDS] = _cors_headers(request)
-        response = await self._authorized(request, record)
+        response = await self._authorized(request, record, target)
         if not response.prepared:
             cors = request[CORS_FIELDS]
             if "Vary" in response.headers:  # the handler's Set replaced rs/cors's Vary
@@ -168,26 +181,39 @@ class FakeEnvd(FakeServer):
         return response
 
     async def _authorized(
-        self, request: web.BaseRequest, record: RecordHandle
+        self, request: web.BaseRequest, record: RecordHandle, target: GoPath
     ) -> web.StreamResponse:
         if self.access_token is not None:
+            # auth.go:50 compares the decoded URL.Path, not the path chi routes on.
             token = request.headers.get("X-Access-Token", "")
-            if token != self.access_token and request.method + request.path not in AUTH_EXCLUDED:
+            if token != self.access_token and request.method + target.path not in AUTH_EXCLUDED:
                 return json_error(401, UNAUTHORIZED)
         try:
             user = _basic_auth_user(request.headers.get("Authorization"))
         except ConnectError as error:
             return _connect_error_answer(request, error)
-        return await self._route(request, record, user)
+        return await self._route(request, record, target, user)
 
     async def _route(
-        self, request: web.BaseRequest, record: RecordHandle, user: SandboxUser | None
+        self,
+        request: web.BaseRequest,
+        record: RecordHandle,
+        target: GoPath,
+        user: SandboxUser | None,
     ) -> web.StreamResponse:
-        method, path = request.method, request.path
-        if path in self._unary or path in self._streams:
+        method, found = request.method, route(request.method, target)
+        if found.mount:
+            # The generated Connect handler switches on the decoded URL.Path.
+            if target.path not in self._unary and target.path not in self._streams:
+                return _not_found()
             if method != "POST":
                 return web.Response(status=405, headers={"Allow": "POST"})
-            return await self._rpc(request, record, path, user or DEFAULT_USER)
+            return await self._rpc(request, record, target.path, user or DEFAULT_USER)
+        if found.static is None:
+            if found.status == 404:
+                return _not_found()
+            # chi methodNotAllowedHandler: one Allow field per method, an empty body.
+            return web.Response(status=405, headers=CIMultiDict(("Allow", m) for m in found.allow))
         routes = {
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
@@ -195,22 +221,13 @@ class FakeEnvd(FakeServer):
             ("GET", "/files"): self.files.download,
             ("POST", "/files"): self.files.upload,
         }
-        handler = routes.get((method, path))
+        handler = routes.get((method, found.static))
         if handler is not None:
             return await handler(request, record)
-        if path in CONTROL_PATHS:
-            return web.Response(status=204) if method == "POST" else web.Response(status=405)
-        if any(known == path for _, known in routes):
-            return web.Response(status=405)  # chi's default: empty body
-        # Go's http.NotFound.
-        return web.Response(
-            status=404,
-            body=b"404 page not found\n",
-            headers={
-                "Content-Type": "text/plain; charset=utf-8",
-                "X-Content-Type-Options": "nosniff",
-            },
-        )
+        if found.static in CONTROL_PATHS:
+            return web.Response(status=204)
+        # POST /files/compose: routed (and guarded by the token) as in envd, not implemented.
+        return web.Response(status=501, body=b"fake envd: /files/compose is not implemented\n")
 
     # -- envd HTTP API --------------------------------------------------------------------------
 
@@ -373,6 +390,15 @@ def _decode_json(body: bytes) -> JSONDict:
     if not isinstance(message, dict):
         raise ConnectError("invalid_argument", "unmarshal message: not a JSON object")
     return message
+
+
+def _not_found() -> web.Response:
+    """Go's http.NotFound (chi's NotFound handler, and the Connect handlers' default case)."""
+    return web.Response(
+        status=404,
+        body=b"404 page not found\n",
+        headers={"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
+    )
 
 
 def _unary_error(content_type: str, error: ConnectError) -> web.Response:
