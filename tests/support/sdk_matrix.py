@@ -48,6 +48,11 @@ GHOST_ID = "sdkmatrixghost"
 UNKNOWN_ID = "sdkmatrixunknown"
 API_KEY = "e2b_" + "0" * 40
 RUN_TIMEOUT_S = 180.0  # a run takes ~10 s; the SDK's own timeouts are 60 s
+# How long a relay may take to become ready, or to re-read its routes file. The matrix starts
+# ten relays at once; on two loaded cores (CI's ``make test``) one took 16-20 s to answer
+# /readyz, past the former 10 s. Ready earlier, the wait ends earlier; a relay that exits
+# fails at once (RelayProcess.start and _wait_routes watch the process).
+READY_TIMEOUT_S = 60.0
 
 # Variables of the test's own environment that must not reach the SDK process: the SDK's
 # settings, proxies and trust stores are set per run.
@@ -152,10 +157,12 @@ def _driver_env(extra: dict[str, str]) -> dict[str, str]:
     return env | {"PYTHONUNBUFFERED": "1", "E2B_API_KEY": API_KEY, "E2B_DOMAIN": DOMAIN} | extra
 
 
-async def _wait_routes(relay: RelayProcess, count: int, timeout: float = 10.0) -> None:
+async def _wait_routes(relay: RelayProcess, count: int, timeout: float = READY_TIMEOUT_S) -> None:
     """Until relay's /readyz reports ``count`` routes (the file was re-read)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if relay.proc is not None and relay.proc.poll() is not None:
+            raise RuntimeError(f"relay exited: {relay.output()}")
         with contextlib.suppress(OSError, ValueError):
             reader, writer = await asyncio.open_connection("127.0.0.1", relay.admin_port)
             writer.write(b"GET /readyz HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n")
@@ -220,7 +227,7 @@ async def run_one(driver: Driver, version: str, form: str, tmp: Path) -> RunResu
     lines: list[dict[str, Any]] = []
     stderr = b""
     try:
-        await asyncio.to_thread(relay.start)
+        await asyncio.to_thread(relay.start, READY_TIMEOUT_S)
         config: dict[str, Any] = {
             "form": form,
             "sandbox_id": MAIN_ID,
