@@ -33,6 +33,7 @@ from urllib.parse import quote, unquote_plus
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
+from tests.support import go_json
 from tests.support.connect import ConnectError
 from tests.support.fake_server import iter_body
 from tests.support.records import RecordHandle
@@ -82,11 +83,10 @@ _MAX_METADATA_TOTAL = 4096
 
 
 def json_error(status: int, message: str) -> web.Response:
-    """error.go jsonError: int code, JSON encoder's trailing newline, nosniff."""
-    body = json.dumps({"code": status, "message": message}, separators=(",", ":")) + "\n"
+    """error.go:9-21 jsonError: int code, Go's JSON Encoder (HTML-escaped, newline), nosniff."""
     return web.Response(
         status=status,
-        body=body.encode(),
+        body=go_json.encode({"code": status, "message": message}),
         headers={
             "Content-Type": "application/json; charset=utf-8",
             "X-Content-Type-Options": "nosniff",

@@ -35,6 +35,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from tests.support import envd_cors, go_json
 from tests.support.connect import (
     STREAM_CONTENT_TYPE,
     ConnectError,
@@ -67,11 +68,6 @@ CONTROL_PATHS = frozenset(
     {"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw", "/upgrade"}
 )
 _UNARY_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8")
-_CORS_EXPOSED = (
-    "Connect-Protocol-Version, Content-Encoding, Connect-Content-Encoding, "
-    "Grpc-Status, Grpc-Message, Grpc-Status-Details-Bin, Location, Cache-Control, "
-    "X-Content-Type-Options"
-)
 
 
 def sdk_start_request(command: str, *, stdin: bool = False) -> JSONDict:
@@ -164,14 +160,11 @@ class FakeEnvd(FakeServer):
             )
             refused.force_close()  # net/http closes the connection after it
             return refused
-        # rs/cors 1.11.1 (cors.go Handler): any OPTIONS whose (first) Access-Control-Request-
-        # Method is not empty is a preflight, answered here, before the token check, with or
-        # without an Origin, whatever the path.
-        if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
-            return _cors_preflight(request)
+        if envd_cors.is_preflight(request):
+            return envd_cors.preflight(request)
         # rs/cors sets its fields before envd's handler runs: a handler that streams its
         # answer (a download) sends them with its head (FilesApi reads them from here).
-        request[CORS_FIELDS] = _cors_headers(request)
+        request[CORS_FIELDS] = envd_cors.actual_fields(request)
         response = await self._authorized(request, record, target)
         if not response.prepared:
             cors = request[CORS_FIELDS]
@@ -251,7 +244,7 @@ class FakeEnvd(FakeServer):
         return _json_response(metrics)
 
     async def _envs(self, request: web.BaseRequest, record: RecordHandle) -> web.Response:
-        return _json_response(self.env_vars)
+        return _json_response(self.env_vars, go_map=True)  # envs.go: a map
 
     # -- Connect --------------------------------------------------------------------------------
 
@@ -302,7 +295,7 @@ class FakeEnvd(FakeServer):
             status=200,
             headers={"Content-Type": content_type, "Connect-Accept-Encoding": "gzip"},
         )
-        response.headers.extend(_cors_headers(request))
+        response.headers.extend(envd_cors.actual_fields(request))
         response.enable_chunked_encoding()
         await response.prepare(request)
         transport = request.transport
@@ -426,47 +419,9 @@ def _connect_error_answer(request: web.BaseRequest, error: ConnectError) -> web.
     return _unary_error(content_type, error)
 
 
-def _cors_headers(request: web.BaseRequest) -> list[tuple[str, str]]:
-    """rs/cors handleActualRequest: ``Vary: Origin`` always (set before the handler runs, so a
-    handler's own ``Vary``, as /files download sets it, replaces it: see ``_handle``), the
-    allow and expose fields only when the request has an Origin."""
-    if not request.headers.get("Origin"):
-        return [("Vary", "Origin")]
-    return [
-        ("Vary", "Origin"),
-        ("Access-Control-Allow-Origin", "*"),
-        ("Access-Control-Expose-Headers", _CORS_EXPOSED),
-    ]
-
-
-_CORS_METHODS = frozenset({"HEAD", "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-
-
-def _cors_preflight(request: web.BaseRequest) -> web.Response:
-    """rs/cors 1.11.1 handlePreflight with envd's options (main.go withCORS): 204 always; the
-    allow fields only with an Origin and a method allowed as sent (compared case-sensitively,
-    OPTIONS always allowed); the requested method and headers are echoed."""
-    headers: list[tuple[str, str]] = [
-        ("Vary", "Origin, Access-Control-Request-Method, Access-Control-Request-Headers")
-    ]
-    method = request.headers.get("Access-Control-Request-Method", "")
-    if request.headers.get("Origin") and method in _CORS_METHODS:
-        headers.append(("Access-Control-Allow-Origin", "*"))
-        headers.extend(
-            ("Access-Control-Allow-Methods", value)
-            for value in request.headers.getall("Access-Control-Request-Method")
-        )
-        requested = request.headers.getall("Access-Control-Request-Headers", [])
-        if requested and requested[0]:
-            headers.extend(("Access-Control-Allow-Headers", value) for value in requested)
-        headers.append(("Access-Control-Max-Age", "7200"))
-    return web.Response(status=204, headers=CIMultiDict(headers))
-
-
-def _json_response(payload: Mapping[str, Any]) -> web.Response:
-    # Go's json.Encoder ends the body with a newline.
+def _json_response(payload: Mapping[str, Any], *, go_map: bool = False) -> web.Response:
     return web.Response(
         status=200,
-        body=(json.dumps(payload, separators=(",", ":")) + "\n").encode(),
+        body=go_json.encode(payload, sort_keys=go_map),
         headers={"Content-Type": "application/json", "Cache-Control": "no-store"},
     )
