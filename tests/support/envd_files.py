@@ -469,15 +469,15 @@ class FilesApi:
 
     # -- shared steps ---------------------------------------------------------------------------
 
-    def _authorize(
-        self, request: web.BaseRequest, operation: str
-    ) -> tuple[FileParams, str, SandboxUser]:
+    def _check_signing(self, request: web.BaseRequest, operation: str) -> FileParams:
         params = bind_file_params(request.raw_path.partition("?")[2])
-        path = params.path or ""
         header_token = request.headers.get("X-Access-Token", "")
         error = validate_signing(self._token, header_token, params, operation, self._now)
         if error is not None:
             raise HttpFailure(json_error(401, error))
+        return params
+
+    def _user(self, params: FileParams) -> SandboxUser:
         # execcontext.ResolveDefaultUsername: a present (even empty) username is used as is.
         username = "user" if params.username is None else params.username
         user = USERS.get(username)
@@ -487,7 +487,7 @@ class FilesApi:
                     401, f"error looking up user '{username}': user: unknown user {username}"
                 )
             )
-        return params, path, user
+        return user
 
     def _resolve(self, path: str, user: SandboxUser, context: str) -> str:
         try:
@@ -498,7 +498,8 @@ class FilesApi:
     # -- download -------------------------------------------------------------------------------
 
     async def _download(self, request: web.BaseRequest) -> web.StreamResponse:
-        _, path, user = self._authorize(request, READ)
+        params = self._check_signing(request, READ)
+        path, user = params.path or "", self._user(params)
         resolved = self._resolve(path, user, f"error expanding and resolving path '{path}'")
         host, st = self._existing_file(resolved)
         accept = request.headers.get("Accept-Encoding", "")
@@ -556,8 +557,10 @@ class FilesApi:
     # -- upload ---------------------------------------------------------------------------------
 
     async def _upload(self, request: web.BaseRequest, record: RecordHandle) -> web.StreamResponse:
-        params, _, user = self._authorize(request, WRITE)
+        params = self._check_signing(request, WRITE)
+        # upload.go:287-306: the body's encoding is checked before the user is looked up.
         content_encoding = _content_encoding(request.headers.get("Content-Encoding", ""))
+        user = self._user(params)
         metadata = _metadata_headers(request.headers)
         error = _validate_metadata(metadata)
         if error:

@@ -58,3 +58,17 @@ async def test_envs_is_a_go_map(http: aiohttp.ClientSession) -> None:
 
 def test_go_json_strings() -> None:
     assert go_json.encode({"m": "a\udcffb\u2028\t\x01"}) == b'{"m":"a\\ufffdb\\u2028\\t\\u0001"}\n'
+
+
+async def test_upload_checks_the_encoding_before_the_user(
+    envd: FakeEnvd, http: aiohttp.ClientSession
+) -> None:
+    # upload.go:287-306: getDecompressedBody (400) runs before user.Lookup (401).
+    url = f"{envd.url}/files?path=/tmp/x&username=nobody"
+    headers = {"Content-Encoding": "br", "Content-Type": "application/octet-stream"}
+    async with http.post(url, data=b"x", headers=headers) as response:
+        assert response.status == 400
+        body = await response.json()
+        assert body["message"] == (
+            "error decompressing request body: unsupported Content-Encoding: br, supported: [gzip]"
+        )
