@@ -318,7 +318,12 @@ class Relay:
         )
         if state != self.feed_state:
             if state.stale:
-                log.error("route cache is stale: feed down for over %.0fs", max_stale_s)
+                # "Behind", not "down": the clock also runs while a resync or a catch-up of
+                # several reads is under way on a link that works (relay.feeds.redis).
+                log.error(
+                    "route cache is stale: no up-to-date read from the route feed for over %.0fs",
+                    max_stale_s,
+                )
             self.feed_state = state
         if self._broken_since is not None and state.ready and not state.stale:
             delay = max(0.0, self._broken_since + max_stale_s - now)
