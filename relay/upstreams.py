@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
-from relay.addresses import family_mismatch
+from relay.addresses import authority, family_mismatch
 from relay.closing import unsent
 from relay.core.model import PoolKey
 from relay.outbox import Outbox
@@ -57,6 +57,32 @@ KEEPALIVE_OPTIONS = (
 # every request fails so, hundreds of lines a second.
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 EXHAUSTED_LOG_S = 10.0
+
+# What a dial ran short of when it failed for want of relay's own resources (DialError.shortage).
+DESCRIPTORS = "descriptors"  # EXHAUSTED
+PORTS = "ports"  # no local port left towards this address and port: connect's EADDRNOTAVAIL
+SOURCE_PORTS = "source ports"  # bind(source_address, 0) found no free port: EADDRINUSE
+SOURCE_GONE = "source address"  # bind(source_address): EADDRNOTAVAIL, no interface has it
+
+
+def shortage(code: int | None, source: str | None) -> str | None:
+    """What relay ran short of, from a failed dial's errno, or None when the failure says
+    something about the upstream (refused, unreachable) or the route (a family mismatch).
+
+    A local port or address is relay's host's, not the guest's: nothing was sent to the
+    guest, so "port is not open" (502) blamed it wrongly, as for EMFILE. With a source
+    address uvloop binds (source, 0) before connecting, and without IP_BIND_ADDRESS_NO_PORT
+    the kernel picks a port free towards every destination there (EADDRINUSE when none is,
+    TIME_WAIT included: checked in a network namespace with a 4-port range); without one,
+    connect picks a port free towards this destination alone (EADDRNOTAVAIL).
+    """
+    if code in EXHAUSTED:
+        return DESCRIPTORS
+    if code == errno.EADDRNOTAVAIL:
+        return SOURCE_GONE if source else PORTS
+    if code == errno.EADDRINUSE and source:
+        return SOURCE_PORTS
+    return None
 
 
 def keep_alive_probes(sock: socket.socket) -> None:
@@ -237,13 +263,18 @@ def _made(made: list[UpstreamConnection], conn: UpstreamConnection) -> UpstreamC
 
 
 class DialError(Exception):
-    """The upstream could not be reached; ``refused`` when it actively refused, ``exhausted``
-    when relay could not make the socket (:data:`EXHAUSTED`)."""
+    """The upstream could not be reached; ``refused`` when it actively refused; ``shortage``
+    (:func:`shortage`) when relay ran out of its own descriptors, ports or source address."""
 
-    def __init__(self, message: str, *, refused: bool, exhausted: bool = False) -> None:
+    def __init__(self, message: str, *, refused: bool, shortage: str | None = None) -> None:
         super().__init__(message)
         self.refused = refused
-        self.exhausted = exhausted
+        self.shortage = shortage
+
+    @property
+    def exhausted(self) -> bool:
+        """relay's own resources failed it: answered 503 overloaded, not 502 port_closed."""
+        return self.shortage is not None
 
 
 class Pool:
@@ -272,7 +303,7 @@ class Pool:
         # left to take at the close or the upstream's last progress, and when.
         self._closing: dict[UpstreamConnection, tuple[int, float]] = {}
         self.opened = 0  # open upstream connections, idle or in use
-        self._exhausted_logged = -EXHAUSTED_LOG_S  # when a dial out of descriptors was logged
+        self._shortage_logged: dict[str, float] = {}  # shortage → when it was last logged
 
     def acquire(self, key: PoolKey, max_idle_s: float = 0.0) -> UpstreamConnection | None:
         """The most recently released live connection for ``key``, or None (dial one).
@@ -422,25 +453,36 @@ class Pool:
                 if observer is not None:
                     observer.dial_failed("error")
                 message = exc.strerror or type(exc).__name__
-                exhausted = exc.errno in EXHAUSTED
-                if exhausted:
-                    self._log_exhausted(message)
+                short = shortage(exc.errno, self.source_address)
+                if short is not None:
+                    message = self._log_shortage(short, message, key)
                 reason = family_mismatch(self.source_address, key.address)
-                raise DialError(reason or message, refused=False, exhausted=exhausted) from None
+                raise DialError(reason or message, refused=False, shortage=short) from None
             except ValueError as exc:  # an address getaddrinfo cannot take (UnicodeError)
                 if observer is not None:
                     observer.dial_failed("error")
                 raise DialError(type(exc).__name__, refused=False) from None
         raise AssertionError("unreachable")
 
-    def _log_exhausted(self, message: str) -> None:
+    def _log_shortage(self, short: str, message: str, key: PoolKey) -> str:
+        """The access log's reason for a dial that ``short`` failed; and one warning per
+        shortage per :data:`EXHAUSTED_LOG_S` naming it: at the limit every request fails so,
+        hundreds of lines a second."""
+        source = self.source_address
+        if short == DESCRIPTORS:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            why = f"{message.lower()} (descriptor limit {soft})"
+        elif short == PORTS:
+            why = f"no local port left towards {authority(key.address, key.port)}"
+            message = f"{message}: {why}"
+        elif short == SOURCE_PORTS:
+            why = f"no local port left on upstream.source_address {source}"
+            message = f"{message}: {why}"
+        else:
+            why = f"upstream.source_address {source} is not assigned to any local interface"
+            message = f"{message}: {why}"
         now = time.monotonic()
-        if now - self._exhausted_logged < EXHAUSTED_LOG_S:
-            return
-        self._exhausted_logged = now
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        log.warning(
-            "upstream dials fail: %s (descriptor limit %d); answering 503 until some are free",
-            message.lower(),
-            soft,
-        )
+        if now - self._shortage_logged.get(short, -EXHAUSTED_LOG_S) >= EXHAUSTED_LOG_S:
+            self._shortage_logged[short] = now
+            log.warning("upstream dials fail: %s; answering 503 until that changes", why)
+        return message

@@ -8,7 +8,7 @@ sandbox (``sandboxId``).
 | failure                                 | sandbox              | management upstream        |
 |-----------------------------------------|----------------------|----------------------------|
 | no connection (refused, timed out)      | 502 port_closed      | 502 management_unavailable |
-| no socket: relay's own limits (EMFILE)  | 503 overloaded       | 503 overloaded             |
+| relay's limits (EMFILE, no local port)  | 503 overloaded       | 503 overloaded             |
 | closed before the response head         | 502 upstream_error   | 502 management_unavailable |
 | a response that cannot be relayed       | 502 upstream_error   | 502 upstream_error         |
 | the route was removed (SPEC §3)         | 502 not_found        |                            |
@@ -36,11 +36,14 @@ def unreachable(decision: Forward, *, exhausted: bool = False) -> Reject:
     """The upstream could not be dialled (after the retries of ``relay.upstreams``).
 
     ``exhausted``: relay could not even make the socket (its descriptor limit, EMFILE; the
-    system's, ENFILE; kernel memory). Nothing was learnt about the upstream: relay is
-    overloaded (SPEC §5: 503 with Retry-After, as past ``listen.max_connections``). A 502
-    "port is not open" blamed the guest: SDK 2.63 turns it into SandboxUnreachableException,
-    and the access log and ``relay_refusals_total`` said port_closed (found by review, at a
-    lowered RLIMIT_NOFILE). A CORS preflight still gets envd's 204, as for relay's other 503s.
+    system's, ENFILE; kernel memory), or give it a local port or address (no ephemeral port
+    left, or ``upstream.source_address`` gone from the host: EADDRNOTAVAIL, EADDRINUSE;
+    ``relay.upstreams.shortage``). Nothing was sent to the upstream: relay is overloaded
+    (SPEC §5: 503 with Retry-After, as past ``listen.max_connections``). A 502 "port is not
+    open" blamed the guest: SDK 2.63 turns it into SandboxUnreachableException, and the access
+    log and ``relay_refusals_total`` said port_closed (found by review, at a lowered
+    RLIMIT_NOFILE; then for EADDRNOTAVAIL, by the next one). A CORS preflight still gets
+    envd's 204, as for relay's other 503s.
     """
     if exhausted:
         return Reject(
