@@ -205,6 +205,7 @@ class FakePool:
         self.outbox = outbox
         self.made: list[FakeUpstream] = []
         self.idle: dict[PoolKey, list[FakeUpstream]] = {}
+        self.opened = 0  # read at accept (Relay.admit); relay is never near its limit here
 
     def reset(self) -> None:
         self.made.clear()
@@ -249,6 +250,9 @@ class FakePool:
 
     def sweep(self) -> None:
         pass
+
+    def close_oldest_idle(self, most: int) -> int:
+        return 0
 
     def close_all(self) -> None:
         pass

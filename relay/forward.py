@@ -35,7 +35,7 @@ from relay.respond import (
     State,
 )
 from relay.response import ResponseReader
-from relay.upstreams import DialError, PoolKey, UpstreamConnection
+from relay.upstreams import DESCRIPTORS, DialError, PoolKey, UpstreamConnection
 from relay.websocket import Splice
 
 if TYPE_CHECKING:
@@ -154,6 +154,8 @@ class Exchange(Respond):
         assert isinstance(decision, Forward)
         self.client.resume(PAUSE_DIAL)
         reject = failures.unreachable(decision, exhausted=exc.exhausted)
+        if exc.shortage == DESCRIPTORS:
+            self.client.relay.make_room()  # for the next ones (relay.room)
         self.reason = f"dial: {exc}"
         self.answer(reject)
 

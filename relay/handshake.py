@@ -75,9 +75,12 @@ class TlsAccept(asyncio.Protocol):
         if relay.stopped or not relay.allowed(peer[0] if isinstance(peer, tuple) else ""):
             raw.abort()
             return
-        if len(relay.handshakes) >= relay.config.listen.max_connections:
+        shaking = len(relay.handshakes)
+        if shaking >= relay.config.listen.max_connections:
             raw.abort()
             return
+        if shaking + len(relay.connections) + relay.pool.opened >= relay.room_mark:
+            relay.make_room()  # near the open-file limit (relay.room)
         assert relay.tls is not None
         self._accepted = time.monotonic()
         start = asyncio.get_running_loop().start_tls(

@@ -17,7 +17,7 @@ multiprocess mode in shape, with a snapshot file per worker instead of an mmap w
 increment. ``docs/operations.md`` has the operator's view.
 
 Every label value comes from a closed set (kind, status class, refusal reason, direction,
-feed source, result): never a sandbox id, an address or anything from a request.
+feed source, result, side): never a sandbox id, an address or anything from a request.
 """
 
 from __future__ import annotations
@@ -99,6 +99,12 @@ SPECS: dict[str, Spec] = {
         "counter",
         "Upstream dials that failed after their retries (refused, timeout, error)",
         ("reason",),
+    ),
+    "relay_idle_connections_shed": Spec(
+        "counter",
+        "Idle keep-alive connections closed to make room near the open-file limit, by side "
+        "(client, upstream)",
+        ("side",),
     ),
     "relay_websocket_sessions": Spec("counter", "WebSocket sessions that ended"),
     "relay_revocations": Spec("counter", "Routes revoked (removed or changed identity)"),
@@ -191,6 +197,7 @@ def snapshot(relay: Relay) -> Snapshot:
             ),
             "relay_bytes": [[["in"], obs.bytes_in], [["out"], obs.bytes_out]],
             "relay_upstream_connect_errors": _pairs(obs.connect_errors.items()),
+            "relay_idle_connections_shed": _pairs(obs.shed_idle.items()),
             "relay_websocket_sessions": [[[], obs.websockets_closed]],
             "relay_revocations": [[[], obs.revocations]],
             "relay_revoked_exchanges": [[[], obs.revoked_exchanges]],

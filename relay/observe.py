@@ -84,6 +84,7 @@ class Observer:
         self.route_rejections: Counter[str] = Counter()  # source
         self.feed_failures: Counter[str] = Counter()  # source
         self.revoked_exchanges = 0
+        self.shed_idle: Counter[str] = Counter()  # client | upstream (relay.room)
         self.reloads: Counter[str] = Counter()  # ok | error
         self.tls_reloads: Counter[str] = Counter()  # ok | error
         self.feed_failing_since: float | None = None  # monotonic; None while the feed is fine
@@ -152,6 +153,10 @@ class Observer:
 
     def dial_failed(self, reason: str) -> None:
         self.connect_errors[reason] += 1
+
+    def idle_shed(self, clients: int, upstreams: int) -> None:
+        self.shed_idle["client"] += clients
+        self.shed_idle["upstream"] += upstreams
 
     def routes_installed(self, source: str, count: int) -> None:
         self.feed_failing_since = None

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -34,6 +35,7 @@ from relay.handshake import TlsAccept
 from relay.observe import Observer
 from relay.outbox import Outbox
 from relay.reload import reload_settings
+from relay.room import descriptor_mark, make_room, soft_limit
 from relay.server import ClientConnection
 from relay.sharedcount import FILE_NAME, SharedCounts
 from relay.startup import binding, check_parsers
@@ -138,6 +140,9 @@ class Relay:
         )
         self.timers = Timers(config.listen.header_timeout_s, config.listen.idle_timeout_s)
         self.connections: set[ClientConnection] = set()
+        # Connections (client, TLS handshake, upstream) from which an accept closes idle
+        # ones (relay.room); set from the soft RLIMIT_NOFILE at start.
+        self.room_mark = sys.maxsize
         self.handshakes: set[TlsAccept] = set()  # TLS connections still in their handshake
         self.live: dict[str, set[Live]] = {}
         self.inflight: Inflight = Inflight(self.live)
@@ -214,7 +219,13 @@ class Relay:
         if busy >= self.config.listen.max_connections or self.draining:
             conn.overloaded = True
         self.connections.add(conn)
+        if busy + self.pool.opened >= self.room_mark:
+            self.make_room()
         return True
+
+    def make_room(self) -> None:
+        """Near the open-file limit: close idle keep-alive connections (relay.room)."""
+        make_room(self.timers, self.pool, self.observer)
 
     def release_connection(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
@@ -362,6 +373,7 @@ class Relay:
         listen = self.config.listen
         # Checked over netlink: a wrong source address stops relay here (relay.netlink).
         self.pool.source_address = await netlink.resolve_source_async(self.config.upstream)
+        self.room_mark = descriptor_mark(soft_limit())
         if listen.tls_cert:
             initial, self.initial_tls = self.initial_tls, None
             try:

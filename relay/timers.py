@@ -10,6 +10,7 @@ after a grace period; a client relay has stopped reading is asked every
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -105,6 +106,16 @@ class Timers:
 
     def resumed(self, conn: Waiting) -> None:
         self._paused.pop(conn, None)
+
+    def close_idle(self, most: int) -> int:
+        """Close up to ``most`` connections waiting idle, the longest idle first; how many
+        (relay.room: near the open-file limit). Those waiting here have no request in flight,
+        no WebSocket (``start_splice`` forgets them) and no head begun (``expect_head``)."""
+        idle = list(itertools.islice(self._idle, most))
+        for conn in idle:
+            del self._idle[conn]
+            _guarded(conn, conn.close)
+        return len(idle)
 
     def forget(self, conn: Waiting) -> None:
         self._head.pop(conn, None)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import heapq
 import logging
 import resource
 import socket
 import time
 from collections.abc import Callable
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol, cast
 
 from relay.addresses import authority, family_mismatch
@@ -398,6 +400,18 @@ class Pool:
                 conn.close()
             if not idle:
                 del self._idle[key]
+
+    def close_oldest_idle(self, most: int) -> int:
+        """Close up to ``most`` idle connections, the longest idle first, whatever their
+        upstream; how many (relay.room: near the open-file limit)."""
+        if not self._idle:
+            return 0
+        idle = [conn for conns in self._idle.values() for conn in conns]
+        oldest = heapq.nsmallest(most, idle, key=attrgetter("idle_since"))
+        for conn in oldest:
+            self.forget(conn)
+            conn.close()
+        return len(oldest)
 
     def idle_count(self) -> int:
         return sum(len(v) for v in self._idle.values())

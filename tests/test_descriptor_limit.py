@@ -4,7 +4,8 @@ connection, so running out of them is an ordinary production failure, not a cras
 The tests lower the soft limit of a real ``relay serve`` (``prlimit``, from outside: the
 hard limit stays, so it can be raised again) to what it holds at rest, or one more, and
 check that relay sheds the work it cannot take, stays quiet and up, and serves again once
-descriptors are free; the last one starts relay with a low soft limit, which it raises.
+descriptors are free; one starts relay with a low soft limit, which it raises; the last two
+show idle keep-alive clients closed to make room for new ones (relay.room).
 """
 
 from __future__ import annotations
@@ -261,3 +262,134 @@ def test_relay_raises_its_soft_open_file_limit_and_warns_when_the_hard_one_is_sh
         short.stop()
     output = short.output()
     assert output.count("the open-file limit (512) is below the 2128") == 1, output
+
+
+class HoldingUpstream:
+    """A keep-alive app: ``GET /hold`` is answered once ``release`` is set, anything else at
+    once; its connections stay open for the next request (one pooled connection serves all
+    the short ones)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.held = asyncio.Event()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> HoldingUpstream:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /hold "):
+                    self.held.set()
+                    await self.release.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        writer.close()
+
+
+async def _status(conn: Connection, host: str, target: str = "/") -> int:
+    """The status of one request on ``conn``; 0 when relay closed it without an answer."""
+    try:
+        await conn.send(request_bytes("GET", target, host))
+        return (await conn.read_response()).status
+    except (ConnectionResetError, BrokenPipeError):
+        return 0
+
+
+SHED = "relay_idle_connections_shed_total"
+
+
+async def test_idle_keep_alive_clients_make_room_for_new_ones_at_the_descriptor_limit(
+    tmp_path: Path,
+) -> None:
+    """Each idle keep-alive client holds a descriptor for up to ``listen.idle_timeout_s``.
+    At the limit libuv shed every new accept (a close, no answer) while they held theirs: with
+    128 descriptors the 110th client or so got nothing. Past relay.room's mark (64 here) each
+    accept closes up to 32 of the longest idle, as nginx does; a client whose request is in
+    flight, or whose head has begun, is never among them."""
+    overrides = {"listen": {"max_connections": 1000}}
+    async with HoldingUpstream() as app:
+        relay = RelayProcess(tmp_path, [route("box", insecure=True)], overrides)
+        relay.nofile = (128, 128)
+        relay.start()
+        host = f"{app.port}-box.{DOMAIN}"
+        clients: list[Connection] = []
+        try:
+            busy = await Connection.open(relay.port)  # the oldest: its request stays in flight
+            clients.append(busy)
+            await busy.send(request_bytes("GET", "/hold", host))
+            await asyncio.wait_for(app.held.wait(), 5)
+            begun = await Connection.open(relay.port)  # a head begun, not finished
+            clients.append(begun)
+            await begun.send(f"GET / HTTP/1.1\r\nHost: {host}\r\n".encode())
+            statuses = []
+            for _ in range(150):
+                conn = await Connection.open(relay.port)
+                clients.append(conn)
+                statuses.append(await _status(conn, host))
+            assert statuses == [200] * 150, statuses
+            assert await clients[2].closed_by_peer()  # the longest idle went first
+            assert await _status(clients[-1], host) == 200  # the newest is kept alive
+            app.release.set()
+            answer = await busy.read_response()
+            assert answer.status == 200
+            assert answer.body == b"ok"
+            await begun.send(b"\r\n")
+            assert (await begun.read_response()).status == 200
+            text = (await get(relay.admin_port, "/metrics"))[1].decode()
+            assert value(text, SHED, side="client") >= 150 - 64
+            assert value(text, "relay_client_connections") < 128
+        finally:
+            for conn in clients:
+                await conn.close()
+            relay.stop()
+    assert "Traceback" not in relay.output()
+
+
+async def test_a_dial_out_of_descriptors_closes_idle_clients_for_the_next_requests(
+    tmp_path: Path, closing_upstream: int
+) -> None:
+    """The limit lowered under a running relay (its mark was set at start): the dial that
+    fails with EMFILE is answered 503 and closes the idle keep-alive clients, so that the
+    next request is served. Before, every request got 503 until the idle ones timed out."""
+    overrides = {"listen": {"max_connections": 1000}}
+    relay = RelayProcess(tmp_path, [route("box", insecure=True)], overrides)
+    relay.start()
+    host = f"{closing_upstream}-box.{DOMAIN}"  # every request dials: no pooled connection
+    idle: list[Connection] = []
+    try:
+        for _ in range(10):
+            conn = await Connection.open(relay.port)
+            idle.append(conn)
+            assert await _status(conn, host) == 200
+        assert relay.proc is not None
+        pid = relay.proc.pid
+        soft = resource.prlimit(pid, NOFILE)[0]
+        _set_soft_limit(pid, await _settled_fds(pid) + 1)  # the next client's
+        for expected in (503, 200):
+            conn = await Connection.open(relay.port)
+            try:
+                assert await _status(conn, host) == expected
+            finally:
+                await conn.close()
+            # Their descriptors are free once they see the close (the FIN goes with it).
+            assert all([await conn.closed_by_peer() for conn in idle])
+        _set_soft_limit(pid, soft)
+        text = (await get(relay.admin_port, "/metrics"))[1].decode()
+        assert value(text, SHED, side="client") == 10
+    finally:
+        for conn in idle:
+            await conn.close()
+        relay.stop()
+    assert "Traceback" not in relay.output()

@@ -159,7 +159,7 @@ def test_a_snapshot_of_the_wrong_shape_is_skipped(tmp_path: Path, odd: dict[str,
 
 
 def test_every_spec_has_bounded_labels() -> None:
-    allowed = {"kind", "status_class", "reason", "direction", "source", "result", "version"}
+    allowed = {"kind", "status_class", "reason", "direction", "source", "result", "version", "side"}
     for name, spec in SPECS.items():
         assert name.startswith("relay_")
         assert set(spec.labels) <= allowed, name

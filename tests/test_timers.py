@@ -226,3 +226,26 @@ def test_a_deadline_that_raises_ends_its_connection_not_the_sweep(
     clock.now += 10
     timers.sweep()
     assert later.events == ["head timed out"]
+
+
+def test_making_room_closes_the_longest_idle_connections_and_no_other() -> None:
+    """relay.room: near the open-file limit, up to ``most`` of the connections waiting idle
+    are closed, the longest idle first; one in its head wait is not, nor one that went back
+    to work (a new request: expect_head), and the closed ones leave the idle wait."""
+    timers, clock = _timers()
+    idle = [Conn() for _ in range(5)]
+    for conn in idle:
+        timers.expect_idle(conn)
+        clock.now += 1
+    working, heading = idle[0], Conn()
+    timers.expect_head(working)  # its next request began: no longer idle
+    timers.expect_head(heading)
+    assert timers.close_idle(3) == 3
+    assert [c.events for c in idle] == [[], ["closed"], ["closed"], ["closed"], []]
+    assert heading.events == []
+    assert timers.close_idle(3) == 1
+    assert idle[4].events == ["closed"]
+    assert timers.close_idle(3) == 0
+    clock.now += 630
+    timers.sweep()  # no idle deadline left for the closed ones
+    assert [c.events for c in idle[1:]] == [["closed"]] * 4
