@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 import uvloop
@@ -18,3 +21,26 @@ def pytest_asyncio_loop_factories(
 ) -> Mapping[str, Callable[[], object]]:
     """Tests run on uvloop, as the daemon does (``relay serve`` uses ``uvloop.run``)."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+class _AccessLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(record.getMessage()))
+
+
+@pytest.fixture
+def access_lines() -> Iterator[list[dict[str, Any]]]:
+    """Access-log lines as relay writes them without ``accesslog.configure`` (its logger)."""
+    logger = logging.getLogger("relay.access")
+    handler, level = _AccessLines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,29 +45,6 @@ _NO_IPV6 = no_ipv6_loopback()
 pytestmark = pytest.mark.skipif(_NO_IPV6 is not None, reason=f"no IPv6 loopback: {_NO_IPV6}")
 
 ENVD_TOKEN = "tok-v6"
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(record.getMessage()))
-
-
-@pytest.fixture
-def access_lines() -> Iterator[list[dict[str, Any]]]:
-    """Access-log lines as relay writes them without ``accesslog.configure`` (its logger)."""
-    logger = logging.getLogger("relay.access")
-    handler, level = _Lines(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 @pytest.fixture

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
-import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,29 +94,6 @@ async def test_a_431_for_a_whole_head_answers_as_its_request_asks(
     assert head.startswith(b"HTTP/1.1 431 "), answer
     assert b"\r\nAccess-Control-Allow-Origin: *" in head, head
     assert content == b"", content
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[dict[str, object]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(record.getMessage()))
-
-
-@pytest.fixture
-def access_lines() -> Iterator[list[dict[str, object]]]:
-    """Access-log lines as relay writes them without ``accesslog.configure`` (its logger)."""
-    logger = logging.getLogger("relay.access")
-    handler, level = _Lines(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 async def test_a_request_broken_mid_body_is_one_exchange_with_its_answer(
