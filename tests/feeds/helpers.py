@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,3 +294,26 @@ class LiveStream:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
+
+
+@contextlib.asynccontextmanager
+async def relay_through_proxy(
+    tmp_path: Path, redis_port: int, *, rate: int, max_stale_s: float, **feed_settings: Any
+) -> AsyncIterator[tuple[Relay, RedisFeed, ThrottledProxy]]:
+    """An in-process relay whose Redis replies pass through a :class:`ThrottledProxy` at
+    ``rate``; ``feed_settings`` tune its RedisFeed (``start_relay``). At the end the link
+    flows again, then the relay stops, then the proxy."""
+    proxy = ThrottledProxy(redis_port, rate=rate)
+    proxy_port = await proxy.start()
+    try:
+        url = f"redis://127.0.0.1:{proxy_port}"
+        relay = await start_relay(
+            relay_config(tmp_path, url, max_stale_s=max_stale_s), **feed_settings
+        )
+        try:
+            yield relay, redis_feed(relay), proxy
+        finally:
+            proxy.flowing.set()
+            await relay.stop()
+    finally:
+        await proxy.stop()

@@ -26,11 +26,11 @@ from relay.routes_cli import InvalidInput, validate_input
 from tests.feeds.helpers import (
     CLIENT_TIMEOUT,
     SandboxApp,
-    ThrottledProxy,
     get,
     load_hash,
     redis_feed,
     relay_config,
+    relay_through_proxy,
     route,
     start_relay,
     wait_for,
@@ -209,16 +209,11 @@ async def test_a_table_slower_to_arrive_than_a_hang_is_loaded(
     Redis: the whole table was asked for again and again, each time cut at 1.2 s, and the relay
     never became ready (after a reconnect: stale for good, every sandbox 503)."""
     await load_hash(writer, [route(f"big{i:06d}") for i in range(10_000)])
-    proxy = ThrottledProxy(redis_proc.port, rate=400_000)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
-    try:
+    async with relay_through_proxy(
+        tmp_path, redis_proc.port, rate=400_000, max_stale_s=2, block_ms=200, backoff_cap_s=0.3
+    ) as (relay, _, _):
         await wait_for(lambda: relay.feed_state.ready, 15, "the first table")
         assert len(relay.table) == 10_000
-    finally:
-        await relay.stop()
-        await proxy.stop()
 
 
 async def test_a_redis_that_hangs_during_a_resync_makes_the_cache_stale_in_time(
@@ -230,13 +225,10 @@ async def test_a_redis_that_hangs_during_a_resync_makes_the_cache_stale_in_time(
     noticed only when that wait ended, and the cache stayed fresh for it, past max_stale_s
     (found by review). SPEC §3: stale once max_stale_s has passed since the last good read."""
     await load_hash(writer, [route(f"big{i:06d}") for i in range(10_000)])
-    proxy = ThrottledProxy(redis_proc.port, rate=400_000)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
-    try:
+    async with relay_through_proxy(
+        tmp_path, redis_proc.port, rate=400_000, max_stale_s=2, block_ms=200, backoff_cap_s=0.3
+    ) as (relay, feed, proxy):
         await wait_for(lambda: relay.feed_state.ready, 15, "the first table")
-        feed = redis_feed(relay)
         await wait_for(lambda: feed.snapshots == 1 and feed.position is not None, 5, "following")
         assert not relay.feed_state.stale
         assert feed.load()  # SIGHUP: the next wake-up (within block_ms) takes a snapshot
@@ -248,6 +240,3 @@ async def test_a_redis_that_hangs_during_a_resync_makes_the_cache_stale_in_time(
         proxy.flowing.set()
         await wait_for(lambda: not relay.feed_state.stale, 20, "the feed back")
         assert len(relay.table) == 10_000
-    finally:
-        await relay.stop()
-        await proxy.stop()

@@ -15,15 +15,12 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from tests.feeds.helpers import (
-    ThrottledProxy,
     delete,
     dumps,
     load_hash,
     put,
-    redis_feed,
-    relay_config,
+    relay_through_proxy,
     route,
-    start_relay,
     wait_for,
 )
 from tests.feeds.redisproc import RedisProcess
@@ -41,12 +38,9 @@ async def test_a_burst_slower_to_arrive_than_a_hang_is_followed_without_a_resync
     asks for as many entries as the link carries in a fraction of that timeout: no failure,
     no snapshot after the first, and the batch lands whole (the delete revokes ``r0``)."""
     await load_hash(writer, [route(f"r{i}") for i in range(10)])
-    proxy = ThrottledProxy(redis_proc.port, rate=RATE)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
-    feed = redis_feed(relay)
-    try:
+    async with relay_through_proxy(
+        tmp_path, redis_proc.port, rate=RATE, max_stale_s=2, block_ms=200, backoff_cap_s=0.3
+    ) as (relay, feed, _):
         await wait_for(lambda: feed.position is not None, 5, "following")
         await put(writer, *[route(f"b{i:05d}") for i in range(BURST)])
         await delete(writer, "r0")
@@ -59,9 +53,6 @@ async def test_a_burst_slower_to_arrive_than_a_hang_is_followed_without_a_resync
         assert feed.gaps == 0
         assert relay.table.get("r0") is None
         assert not relay.feed_state.stale
-    finally:
-        await relay.stop()
-        await proxy.stop()
 
 
 async def churn(client: aioredis.Redis, name: str, count: int) -> None:
@@ -86,12 +77,15 @@ async def test_a_link_that_slows_down_costs_one_resync_not_one_per_burst(
     failure and a resync. The next burst must not do the same, nor any after it: the timeout
     sent the count back to where it starts."""
     await load_hash(writer, [route(f"r{i}") for i in range(10)])
-    proxy = ThrottledProxy(redis_proc.port, rate=50_000_000)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3, read_count=500)
-    feed = redis_feed(relay)
-    try:
+    async with relay_through_proxy(
+        tmp_path,
+        redis_proc.port,
+        rate=50_000_000,
+        max_stale_s=2,
+        block_ms=200,
+        backoff_cap_s=0.3,
+        read_count=500,
+    ) as (relay, feed, proxy):
         await wait_for(lambda: feed.position is not None, 5, "following")
         await churn(writer, "f", 1000)
         await wait_for(lambda: feed.events == 2000, 5, "the fast burst")
@@ -105,6 +99,3 @@ async def test_a_link_that_slows_down_costs_one_resync_not_one_per_burst(
             await wait_for(lambda: len(relay.table) == done, 5, "the burst")  # noqa: B023
         assert feed.failures == 1
         assert feed.snapshots == 2
-    finally:
-        await relay.stop()
-        await proxy.stop()

@@ -17,14 +17,11 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from tests.feeds.helpers import (
-    ThrottledProxy,
     delete,
     load_hash,
     put,
-    redis_feed,
-    relay_config,
+    relay_through_proxy,
     route,
-    start_relay,
     wait_for,
 )
 from tests.feeds.redisproc import RedisProcess
@@ -39,12 +36,9 @@ async def test_a_link_that_hangs_during_a_burst_makes_the_cache_stale_in_time(
     """A burst, and the link stops passing bytes half-way: still noticed, and the cache
     stale within max_stale_s (1 s here) of the last good read (SPEC §3), as for an idle feed."""
     await load_hash(writer, [route(f"r{i}") for i in range(10)])
-    proxy = ThrottledProxy(redis_proc.port, rate=RATE)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=1)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
-    feed = redis_feed(relay)
-    try:
+    async with relay_through_proxy(
+        tmp_path, redis_proc.port, rate=RATE, max_stale_s=1, block_ms=200, backoff_cap_s=0.3
+    ) as (relay, feed, proxy):
         await wait_for(lambda: feed.position is not None, 5, "following")
         await put(writer, *[route(f"b{i:05d}") for i in range(BURST)])
         await asyncio.sleep(0.4)  # reads of the burst are under way
@@ -59,10 +53,6 @@ async def test_a_link_that_hangs_during_a_burst_makes_the_cache_stale_in_time(
         proxy.flowing.set()
         await wait_for(lambda: len(relay.table) == BURST + 10, 10, "the resync")
         assert not relay.feed_state.stale
-    finally:
-        proxy.flowing.set()
-        await relay.stop()
-        await proxy.stop()
 
 
 async def test_a_catch_up_longer_than_max_stale_makes_the_cache_stale_until_applied(
@@ -74,12 +64,9 @@ async def test_a_catch_up_longer_than_max_stale_makes_the_cache_stale_until_appl
     again when the batch lands. Before, the reads kept the cache fresh while the table fell
     behind (a sustained burst on a slower link: minutes, a revoked route serving all along)."""
     await load_hash(writer, [route(f"r{i}") for i in range(10)])
-    proxy = ThrottledProxy(redis_proc.port, rate=100_000)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=1)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
-    feed = redis_feed(relay)
-    try:
+    async with relay_through_proxy(
+        tmp_path, redis_proc.port, rate=100_000, max_stale_s=1, block_ms=200, backoff_cap_s=0.3
+    ) as (relay, feed, _):
         await wait_for(lambda: feed.position is not None, 5, "following")
         await put(writer, *[route(f"b{i:05d}") for i in range(BURST)])
         await delete(writer, "r0")
@@ -90,6 +77,3 @@ async def test_a_catch_up_longer_than_max_stale_makes_the_cache_stale_until_appl
         assert len(relay.table) == BURST + 9
         assert feed.failures == 0
         assert feed.snapshots == 1
-    finally:
-        await relay.stop()
-        await proxy.stop()

@@ -15,14 +15,11 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from tests.feeds.helpers import (
-    ThrottledProxy,
     delete,
     load_hash,
     put,
-    redis_feed,
-    relay_config,
+    relay_through_proxy,
     route,
-    start_relay,
     wait_for,
 )
 from tests.feeds.redisproc import RedisProcess
@@ -39,12 +36,9 @@ async def test_entries_trimmed_while_the_link_stood_still_resync(
     while still connected, and the deleted route is gone: a missed delete would keep a revoked
     sandbox reachable."""
     await load_hash(writer, [route(f"t{i}") for i in range(10)])
-    proxy = ThrottledProxy(redis_proc.port, rate=RATE)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=10)
-    relay = await start_relay(config, block_ms=200)
-    feed = redis_feed(relay)
-    try:
+    async with relay_through_proxy(
+        tmp_path, redis_proc.port, rate=RATE, max_stale_s=10, block_ms=200
+    ) as (relay, feed, proxy):
         await wait_for(lambda: feed.position is not None, 5, "following")
         proxy.flowing.clear()
         await put(writer, route("u1"))
@@ -61,10 +55,6 @@ async def test_entries_trimmed_while_the_link_stood_still_resync(
             {f"t{i}" for i in range(10)} - {"t1"} | {"u1", "u2"}
         )
         assert feed.failures == 0
-    finally:
-        proxy.flowing.set()
-        await relay.stop()
-        await proxy.stop()
 
 
 async def test_entries_trimmed_while_relay_was_away_resync(
@@ -75,12 +65,9 @@ async def test_entries_trimmed_while_relay_was_away_resync(
     the link moves again it reconnects and reloads the hash (SPEC §3: always, after a
     reconnect); the deleted route is gone."""
     await load_hash(writer, [route(f"t{i}") for i in range(10)])
-    proxy = ThrottledProxy(redis_proc.port, rate=RATE)
-    proxy_port = await proxy.start()
-    config = relay_config(tmp_path, f"redis://127.0.0.1:{proxy_port}", max_stale_s=2)
-    relay = await start_relay(config, block_ms=200, backoff_cap_s=0.3)
-    feed = redis_feed(relay)
-    try:
+    async with relay_through_proxy(
+        tmp_path, redis_proc.port, rate=RATE, max_stale_s=2, block_ms=200, backoff_cap_s=0.3
+    ) as (relay, feed, proxy):
         await wait_for(lambda: feed.position is not None, 5, "following")
         proxy.flowing.clear()
         await delete(writer, "t1")
@@ -92,7 +79,3 @@ async def test_entries_trimmed_while_relay_was_away_resync(
         await wait_for(lambda: relay.table.get("u1") is not None, 5, "the resync")
         assert relay.table.get("t1") is None
         assert not relay.feed_state.stale
-    finally:
-        proxy.flowing.set()
-        await relay.stop()
-        await proxy.stop()
