@@ -98,40 +98,63 @@ class Writer:
         return self.refused + self.lost
 
     def put(self, data: bytes, lines: int) -> None:
-        if self.given_up or self.queued - self.written + len(data) > self.limit:
+        if self.given_up:
+            self.refused += lines  # relay is exiting: finish() said why
+            return
+        if self.queued - self.written + len(data) > self.limit:
             self.refused += lines
-            self.reason = (
-                "standard output stalled at exit"
-                if self.given_up
-                else f"standard output is not keeping up: {self.limit >> 10} KiB waiting"
-            )
+            if self._start():  # else its reason stands (and the next flush tries again)
+                self.reason = f"standard output is not keeping up: {self.limit >> 10} KiB waiting"
             return
         self.queued += len(data)
         self.accepted += lines
         self.blocks.append((data, lines))
-        if self.thread is None:
-            self.closing.clear()
-            self.thread = threading.Thread(target=self._run, name="relay-access-log", daemon=True)
-            self.thread.start()
+        self._start()  # if it cannot, the blocks wait (up to the limit) for the next flush
+
+    def _start(self) -> bool:
+        """Start the thread unless it runs; False when it cannot be started. ``Thread.start``
+        raises RuntimeError ("can't start new thread", EAGAIN) at RLIMIT_NPROC or a cgroup's
+        pids.max (systemd's TasksMax): raised from a flush, it escaped into the request that
+        filled the buffer, or into Relay.stop, and the Thread left behind unstarted was never
+        tried again, its join at exit raising too (found by review)."""
+        if self.thread is not None:
+            return True
+        self.closing.clear()
+        thread = threading.Thread(target=self._run, name="relay-access-log", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            self.reason = f"cannot start the writer thread: {exc}"
+            return False
+        self.thread = thread
+        return True
 
     def finish(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for every block to be written and the thread to end (a
         later put starts another); False, and what is left counted as dropped, if not."""
-        thread = self.thread
         if self.given_up:
             return False
-        if thread is None:
+        if self.thread is None and not self.blocks:
             return True
+        if not self._start():
+            self._give_up()
+            return False
+        thread = self.thread
+        assert thread is not None
         self.closing.set()
         thread.join(timeout)
         if not thread.is_alive():
             self.thread = None
             return True
+        self._give_up()
+        self.reason = f"standard output took nothing for {timeout:g} s at exit"
+        return False
+
+    def _give_up(self) -> None:
+        """Relay is exiting without the sink: what is left is dropped, and every later line."""
         self.given_up = True
         self.blocks.clear()
         self.refused += self.accepted - self.done - self.lost
-        self.reason = f"standard output took nothing for {timeout:g} s at exit"
-        return False
 
     def _run(self) -> None:
         blocks, closing = self.blocks, self.closing

@@ -8,6 +8,7 @@ stopped every sandbox's traffic until the reader came back, and kept relay from 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -16,11 +17,13 @@ import signal
 import socket
 import threading
 import time
+import types
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from relay import accesswriter
 from relay.accesslog import AccessLog
 from relay.core.answers import log_members
 from tests.support.harness import RelayProcess
@@ -164,3 +167,56 @@ def test_a_failed_write_counts_its_lines_as_dropped() -> None:
         _numbered(log, 0, 10)
         assert log.finish()
         assert log.dropped == 10
+
+
+class _Unstartable(threading.Thread):
+    """A thread the system does not start: ``Thread.start`` raises so at RLIMIT_NPROC or a
+    cgroup's pids.max (systemd's TasksMax), from the EAGAIN of ``pthread_create``."""
+
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+def _threads(monkeypatch: pytest.MonkeyPatch, thread: type[threading.Thread]) -> None:
+    """The writer's threads (relay.accesswriter's own name for the module, so that no other
+    thread of this process is touched)."""
+    fake = types.SimpleNamespace(Thread=thread, Event=threading.Event)
+    monkeypatch.setattr(accesswriter, "threading", fake)
+
+
+def test_a_writer_thread_that_cannot_start_raises_nothing_and_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the flush that started the thread raised RuntimeError into the request
+    that filled the buffer (or into Relay.stop), and the Thread left unstarted was never tried
+    again: every later line waited for nothing, and the join at exit raised too."""
+    stream = io.BytesIO()
+    log = AccessLog()
+    log.configure(stream)
+    _threads(monkeypatch, _Unstartable)
+    _numbered(log, 0, 5)
+    log.flush()  # the blocks wait
+    _threads(monkeypatch, threading.Thread)  # the system has threads to spare again
+    _numbered(log, 5, 5)
+    log.flush()
+    assert log.finish()
+    sequence = [json.loads(line)["bytes_out"] for line in stream.getvalue().splitlines()]
+    assert sequence == list(range(10))
+    assert log.dropped == 0
+
+
+def test_a_writer_thread_that_never_starts_drops_the_lines_at_exit_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream = io.BytesIO()
+    log = AccessLog()
+    log.configure(stream)
+    _threads(monkeypatch, _Unstartable)
+    _numbered(log, 0, 5)
+    log.flush()
+    with caplog.at_level(logging.WARNING, logger="relay"):
+        assert not log.finish(timeout=1)
+    assert log.dropped == 5
+    assert stream.getvalue() == b""
+    (said,) = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert "5 line(s) dropped (cannot start the writer thread" in said, said
