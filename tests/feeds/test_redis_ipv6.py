@@ -20,8 +20,10 @@ from tests.feeds.helpers import (
     SandboxApp,
     get,
     put,
+    redis_feed,
     route,
     start_relay,
+    wait_for,
     wait_until,
 )
 from tests.feeds.redisproc import RedisProcess, redis_server_path
@@ -71,6 +73,7 @@ async def test_ipv6_routes_from_a_redis_on_ipv6(
         tmp_path,
     )
     relay = await start_relay(config)
+    feed = redis_feed(relay)
     try:
         await put(writer, route("sbxv6", address="0:0::1"))
         port = relay.bound[0][1]
@@ -87,11 +90,12 @@ async def test_ipv6_routes_from_a_redis_on_ipv6(
 
             stream = await LiveStream.open(session, port, "sbxv6", app.port)
             try:
+                applied = feed.events
                 await put(writer, route("sbxv6", address="::1"))  # the same route
+                await wait_for(lambda: feed.events > applied, 5, "the same route applied")
                 before = stream.chunks
-                await asyncio.sleep(0.3)
+                await wait_for(lambda: stream.chunks > before, 5, "the stream going on")
                 assert stream.ended_at is None
-                assert stream.chunks > before
 
                 await put(writer, route("sbxv6", address="127.0.0.1"))
                 await asyncio.wait_for(stream.ended.wait(), 1.5)
