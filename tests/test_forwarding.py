@@ -812,9 +812,10 @@ async def test_idle_upstream_connections_are_capped_per_upstream(
         assert relay.relay.pool.idle_count() == 2
 
 
-async def test_http10_request_without_host_reaches_the_guest_with_one(tmp_path: Path) -> None:
-    """Found by review: an HTTP/1.0 request routed by its E2b-Sandbox-* headers, with no Host,
-    went upstream as HTTP/1.1 without one (RFC 9112 §3.2), which Go's net/http refuses."""
+@contextlib.asynccontextmanager
+async def _headers_routed(tmp_path: Path) -> AsyncIterator[tuple[int, int, list[bytes]]]:
+    """A relay with sandbox ``sbx`` and an app of it that records each request head and
+    answers 200 "ok": (relay's port, the app's port, the heads the app read)."""
     heads: list[bytes] = []
 
     async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -827,14 +828,26 @@ async def test_http10_request_without_host_reaches_the_guest_with_one(tmp_path: 
         scripted_upstream(upstream) as app_port,
         running_relay(tmp_path, [route("sbx", envd_token="t")]) as r,
     ):
-        conn = await Connection.open(r.port)
-        try:
-            await conn.send(
-                b"GET /x HTTP/1.0\r\nE2b-Sandbox-Id: sbx\r\nE2b-Sandbox-Port: %d\r\n\r\n" % app_port
-            )
-            response = await conn.read_response(timeout=5)
-        finally:
-            await conn.close()
+        yield r.port, app_port, heads
+
+
+async def _exchange(port: int, raw: bytes) -> Response:
+    conn = await Connection.open(port)
+    try:
+        await conn.send(raw)
+        return await conn.read_response(timeout=5)
+    finally:
+        await conn.close()
+
+
+async def test_http10_request_without_host_reaches_the_guest_with_one(tmp_path: Path) -> None:
+    """Found by review: an HTTP/1.0 request routed by its E2b-Sandbox-* headers, with no Host,
+    went upstream as HTTP/1.1 without one (RFC 9112 §3.2), which Go's net/http refuses."""
+    async with _headers_routed(tmp_path) as (port, app_port, heads):
+        response = await _exchange(
+            port,
+            b"GET /x HTTP/1.0\r\nE2b-Sandbox-Id: sbx\r\nE2b-Sandbox-Port: %d\r\n\r\n" % app_port,
+        )
     assert (response.status, response.body) == (200, b"ok")
     assert heads[0].startswith(
         b"GET /x HTTP/1.1\r\nHost: %d-sbx.%s\r\n" % (app_port, DOMAIN.encode())
@@ -848,31 +861,16 @@ async def test_an_empty_host_is_routed_by_the_sandbox_headers(tmp_path: Path) ->
     it goes where any other name without one goes (no management upstream here: 404). relay
     refused it 400 "Invalid Host header" (found by review). The Host is preserved (SPEC §4),
     empty: Go's net/http (envd's) takes an empty Host, as it refuses only a missing one."""
-    heads: list[bytes] = []
-
-    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        heads.append(await reader.readuntil(b"\r\n\r\n"))
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        writer.close()
-
-    async with (
-        scripted_upstream(upstream) as app_port,
-        running_relay(tmp_path, [route("sbx", envd_token="t")]) as r,
-    ):
-        conn = await Connection.open(r.port)
-        try:
-            await conn.send(
-                b"GET /x HTTP/1.1\r\nHost:\r\nE2b-Sandbox-Id: sbx\r\n"
-                b"E2b-Sandbox-Port: %d\r\nConnection: close\r\n\r\n" % app_port
-            )
-            response = await conn.read_response(timeout=5)
-        finally:
-            await conn.close()
+    async with _headers_routed(tmp_path) as (port, app_port, heads):
+        response = await _exchange(
+            port,
+            b"GET /x HTTP/1.1\r\nHost:\r\nE2b-Sandbox-Id: sbx\r\n"
+            b"E2b-Sandbox-Port: %d\r\nConnection: close\r\n\r\n" % app_port,
+        )
         assert (response.status, response.body) == (200, b"ok")
         assert heads[0].startswith(b"GET /x HTTP/1.1\r\nHost: \r\n")
         assert heads[0].count(b"Host:") == 1
-        nothing = await request(r.port, "GET", "/x", "")
+        nothing = await request(port, "GET", "/x", "")
         assert nothing.status == 404, nothing.body
 
 
