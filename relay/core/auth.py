@@ -106,7 +106,10 @@ def strip_signature_params(raw_query: bytes) -> bytes:
     """
     kept = []
     for segment in raw_query.split(b"&"):
-        if any(_names_a_credential(part) for part in segment.split(b";")):
+        if b";" in segment:
+            if any(_names_a_credential(part) for part in segment.split(b";")):
+                continue
+        elif _names_a_credential(segment):
             continue
         kept.append(segment)
     return b"&".join(kept)
@@ -121,10 +124,14 @@ def _names_a_credential(pair: bytes) -> bool:
     ``signature`` to Rails' ``normalize_params`` and PHP, ``[signature]`` to Rails) and
     spaces around the name (PHP drops leading ones). A malformed escape leaves the raw name.
     """
-    key = pair.partition(b"=")[0]
-    decoded = go_query_unescape(key)
-    name = decoded if decoded is not None else key
-    match = _CREDENTIAL_NAME.match(name)
+    name = pair.partition(b"=")[0]
+    if name.isalnum():
+        # No escape, "+", bracket or space: read as it is. Most names (path, username,
+        # signature): this runs per pair of a query with a "%" in it, in strip mode (most of
+        # envd's), and the general way below cost a signed URL's strip 2.5 times the time.
+        return name.lower() in STRIPPED_PARAMS
+    decoded = go_query_unescape(name)
+    match = _CREDENTIAL_NAME.match(decoded if decoded is not None else name)
     return match is not None and match.group(1).strip(b" ").lower() in STRIPPED_PARAMS
 
 
