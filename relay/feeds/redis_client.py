@@ -10,7 +10,9 @@ the server as host:port only).
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import ssl
 import urllib.parse
 from collections.abc import Sequence
@@ -21,6 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
 from relay.config import Config, ConfigError
 from relay.core.feed import events_key, routes_key
@@ -137,7 +140,7 @@ async def publish_puts(
                 maxlen=maxlen,
                 approximate=True,
             )
-        await pipe.execute()
+        await _execute(pipe)
 
 
 async def publish_delete(
@@ -149,8 +152,47 @@ async def publish_delete(
         pipe.xadd(
             events_key(prefix), {"op": "delete", "id": sandbox_id}, maxlen=maxlen, approximate=True
         )
-        removed, _ = await pipe.execute()
+        removed, _ = await _execute(pipe)
     return bool(removed)
+
+
+# redis-py's message for a command refused inside a pipeline: "Command # 1 (HSET relay:routes
+# abc {...}) of pipeline caused error: ('<the server's reply>',)".
+_ANNOTATED = re.compile(r"Command # \d+ \((\w+)")
+_MARKER = " of pipeline caused error: "
+# What Redis appends to "unknown command" errors (a renamed or disabled HSET): the arguments.
+_ARGS_ECHO = ", with args beginning with"
+
+
+async def _execute(pipe: Any) -> list[Any]:
+    """``pipe.execute()``, its error without the commands' arguments.
+
+    redis-py quotes a refused command, arguments included, in its error (up to 100
+    characters), and the arguments of HSET and XADD are a route's JSON with its tokens: a
+    ``relay routes put`` with the relay's read-only identity printed them (found by review).
+    A control plane in Python logging the error would too. The error keeps its class, the
+    command's name and Redis's reason."""
+    try:
+        return list(await pipe.execute())
+    except ResponseError as exc:
+        raise type(exc)(_without_arguments(str(exc))) from None
+
+
+def _without_arguments(text: str) -> str:
+    command = _ANNOTATED.match(text)
+    if command is not None:
+        reason = "refused"
+        with_reason = text.rpartition(_MARKER)[2]  # after the quoted command, whatever it held
+        try:
+            args = ast.literal_eval(with_reason)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            args = None
+        if isinstance(args, tuple) and args and isinstance(args[0], str):
+            reason = args[0]
+        text = f"{command.group(1)}: {reason}"
+    elif text.startswith("Command # "):
+        text = "a command was refused"
+    return text.split(_ARGS_ECHO, 1)[0]
 
 
 async def read_table(client: aioredis.Redis, prefix: str) -> dict[bytes, bytes]:

@@ -205,6 +205,40 @@ def test_redis_put_trims_the_stream(
     assert sync_writer.xlen("relay:routes:events") < 300  # MAXLEN ~ trims whole nodes
 
 
+@pytest.mark.parametrize("refusal", ["acl", "wrongtype"])
+def test_a_refused_redis_write_prints_no_token(
+    tmp_path: Path,
+    redis_proc: RedisProcess,
+    sync_writer: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    refusal: str,
+) -> None:
+    """Found by review, walking docs/route-feed.md: ``relay routes put`` with the relay's own
+    read-only identity printed redis-py's message for the refused command, which quotes it:
+    ``HSET relay:routes abc {"address":...,"envd_token":"..."`` (up to 100 characters), so a
+    route's token reached the terminal or a CI log. Refused at MULTI time (an ACL) and at EXEC
+    time (a key of the wrong type): exit 1, the command and Redis's reason, no token."""
+    url = redis_proc.url
+    if refusal == "acl":
+        sync_writer.execute_command(  # type: ignore[no-untyped-call]
+            "ACL", "SETUSER", "ro", "on", ">ro-pw", "resetkeys", "%R~relay:*", "-@all",
+            "+multi", "+exec", "+hgetall",
+        )  # fmt: skip
+        url = url.replace("redis://", "redis://ro:ro-pw@")
+    else:
+        sync_writer.set("relay:routes", "not a hash")
+    config = redis_config(tmp_path, url)
+    doc = {"routes": [dict(route("leaky"), traffic_token="traffic-secret-leaky")]}
+    capsys.readouterr()
+    assert main(["routes", "put", str(write_json(tmp_path / "r.json", doc)), "--config",
+                 str(config)]) == 1  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "HSET" in err
+    assert ("NOPERM" in err or "permission" in err) if refusal == "acl" else "WRONGTYPE" in err
+    for secret in ("tok-leaky", "traffic-secret", "envd_token", "{"):
+        assert secret not in out + err, err
+
+
 def test_redis_unreachable_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = redis_config(tmp_path, f"redis://127.0.0.1:{free_port()}")
     assert main(["routes", "list", "--config", str(config)]) == 1
