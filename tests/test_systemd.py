@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import configparser
+import ctypes
 import os
 import shutil
 import signal
@@ -19,7 +20,8 @@ import pytest
 
 from relay.config import load
 from relay.systemd import Notifier, message, notify_address, watchdog_interval_s
-from tests.support.harness import RelayProcess, route, write_routes
+from tests.support.certs import Issued, issue
+from tests.support.harness import DOMAIN, RelayProcess, route, write_routes
 from tests.support.ops import NotifySocket, get
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +161,107 @@ def test_unit_file_settings() -> None:
         "AF_NETLINK",
     }
     assert "WatchdogSec" in service
+    assert service["MemoryDenyWriteExecute"] == "yes"  # see the test below
+
+
+# prctl(2): PR_SET_MDWE with PR_MDWE_REFUSE_EXEC_GAIN (Linux 6.3+), the kernel check systemd
+# uses for MemoryDenyWriteExecute=yes where it can (a seccomp filter before that, which
+# refuses the same mappings and, more broadly, any mprotect() adding PROT_EXEC).
+PR_SET_MDWE = 65
+PR_MDWE_REFUSE_EXEC_GAIN = 1
+
+
+def _deny_write_execute() -> None:
+    """In a child before exec: no memory both writable and executable, inherited by exec and
+    by relay's workers."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_MDWE)")
+
+
+class _NoWriteExecute(RelayProcess):
+    def _preexec(self) -> None:
+        super()._preexec()
+        _deny_write_execute()
+
+
+def _write_execute_refused() -> bool:
+    """Whether this kernel applies PR_SET_MDWE: a W+X mapping made under it fails."""
+    probe = (
+        "import mmap\n"
+        "try:\n"
+        "    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+        "except OSError:\n"
+        "    raise SystemExit(0)\n"
+        "raise SystemExit(1)\n"
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", probe], preexec_fn=_deny_write_execute, timeout=30, check=False
+        )
+    except subprocess.SubprocessError:  # prctl refused in the child: no PR_SET_MDWE here
+        return False
+    return result.returncode == 0
+
+
+async def test_relay_runs_without_writable_executable_memory(tmp_path: Path) -> None:
+    """The unit sets MemoryDenyWriteExecute=yes. It was left out because "cffi callbacks (used
+    by cryptography) need writable executable memory": cryptography 50 has Rust bindings and
+    creates no cffi callback, and nothing else relay loads (CPython 3.11, uvloop, httptools,
+    aiohttp, pyroute2, ctypes' libffi with its static trampolines) maps W+X memory (checked
+    under strace, with two workers too: no W+X mmap, no mprotect adding PROT_EXEC). This runs
+    the paths that load native code under the kernel's check: TLS (memfds, the handshake),
+    the source address checked over netlink, a request forwarded and a SIGHUP reload of the
+    TLS pair. (With workers each is such a relay; the supervisor adds a Python spawn and a
+    read-write mmap.)"""
+    if not _write_execute_refused():
+        pytest.skip("this kernel has no PR_SET_MDWE (Linux 6.3+)")
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    upstream = await asyncio.start_server(_answer_ok, "127.0.0.1", 0)
+    port = upstream.sockets[0].getsockname()[1]
+    overrides: dict[str, dict[str, Any]] = {
+        "listen": {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file)},
+        "upstream": {"source_address": "127.0.0.1"},
+        "process": {"drain_timeout_s": 1},
+    }
+    relay = _NoWriteExecute(tmp_path, [route("wx", insecure=True)], overrides)
+    try:
+        relay.start(timeout=20)
+        assert await _get_over_tls(relay.port, f"{port}-wx.{DOMAIN}", certs) == b"HTTP/1.1 200"
+        assert relay.proc is not None
+        relay.proc.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            if "TLS certificate loaded" in relay.output():  # logged by a reload
+                break
+            await asyncio.sleep(0.05)
+        assert "TLS certificate loaded" in relay.output(), relay.output()
+        assert await _get_over_tls(relay.port, f"{port}-wx.{DOMAIN}", certs) == b"HTTP/1.1 200"
+        relay.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(relay.proc.wait, 15) == 0
+    finally:
+        relay.stop()
+        upstream.close()
+        await upstream.wait_closed()
+    assert "Traceback" not in relay.output()
+
+
+async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+    await writer.drain()
+    writer.close()
+
+
+async def _get_over_tls(relay_port: int, host: str, certs: Issued) -> bytes:
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", relay_port, ssl=certs.client_context(), server_hostname=host
+    )
+    try:
+        writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    return data[:12]
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
