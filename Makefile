@@ -11,8 +11,18 @@ FUZZ_SECONDS ?= 30
 
 .PHONY: run test lint typecheck pytest fuzz clean redis-server bench
 
+# Debian and Ubuntu ship python3 without ensurepip, which `python3 -m venv` needs: install its
+# python3.X-venv package when it is missing (apt-get, with sudo unless root), as for redis-server.
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "relay needs Python >= 3.11")'
+	@$(PYTHON) -c 'import ensurepip' >/dev/null 2>&1 || { \
+	  PKG=python$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv; \
+	  if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  echo "installing $$PKG (apt-get): $(PYTHON) -m venv needs it"; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$PKG \
+	  || { $$SUDO apt-get update -q \
+	       && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$PKG; }; \
+	}
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
