@@ -162,6 +162,9 @@ def test_unit_file_settings() -> None:
     }
     assert "WatchdogSec" in service
     assert service["MemoryDenyWriteExecute"] == "yes"  # see the test below
+    # An access-log line per request: journald's default 10,000 lines per 30 s would drop them
+    # (and relay's warnings) under load, uncounted (found by review).
+    assert service["LogRateLimitIntervalSec"] == "0"
 
 
 # prctl(2): PR_SET_MDWE with PR_MDWE_REFUSE_EXEC_GAIN (Linux 6.3+), the kernel check systemd
