@@ -168,7 +168,18 @@ class Supervisor:
         self.notifier.status(f"starting {len(self.workers)} workers")
         claim_ports(self.config)
         for worker in self.workers:
-            await self._start_worker(worker)
+            try:
+                await self._start_worker(worker)
+            except OSError as exc:
+                # fork or exec failed (the interpreter gone while a virtualenv is replaced,
+                # EAGAIN under TasksMax): a broken start, as a worker dying before all were
+                # ready; it was a traceback (found by review). Exit 1: it may pass next time.
+                log.error(
+                    "worker %d could not be started (%s): %s", worker.index, sys.executable, exc
+                )
+                self.startup_failed = 1
+                self.stop.set()
+                break
         self._spawn(self._monitor())
         started = asyncio.ensure_future(self.all_ready.wait())
         stopped = asyncio.ensure_future(self.stop.wait())
