@@ -69,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="relay",
+        description="The ingress of an E2B-compatible sandbox platform (SPEC §7).",
+        epilog="exit codes: 0 success, 2 configuration or usage error (the message names the"
+        " key), 1 anything else",
+    )
     parser.add_argument("--version", action="version", version=f"relay {__version__}")
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the relay")
@@ -80,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         help="DEBUG, INFO (the default, or $RELAY_LOG_LEVEL), WARNING (no access log), ERROR",
     )
     check = sub.add_parser("check-config", help="validate a configuration and print it")
-    check.add_argument("--config", required=True)
+    check.add_argument("--config", required=True, help="TOML configuration file")
     check.add_argument(
         "--offline",
         action="store_true",
@@ -91,9 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         "--url", required=True, help="envd base URL, e.g. https://49983-<id>.<domain>"
     )
     sign.add_argument("--path", default="", help="file path in the sandbox")
-    sign.add_argument("--op", choices=("read", "write"), default="read")
+    sign.add_argument(
+        "--op", choices=("read", "write"), default="read", help="download or upload (default read)"
+    )
     sign.add_argument("--user", default="", help="username (omitted when empty)")
-    sign.add_argument("--expires-in", type=int, default=None, help="seconds from now")
+    sign.add_argument(
+        "--expires-in", type=int, default=None, help="seconds from now (default: never expires)"
+    )
     token = sign.add_mutually_exclusive_group(required=True)
     token.add_argument("--token-file", help="file holding the envd access token")
     token.add_argument("--token-env", help="environment variable holding the token")

@@ -59,11 +59,16 @@ def add_parser(sub: Any) -> None:
         help=f"redis: trim the event stream to about N entries (default {DEFAULT_MAXLEN}, 0 = no)",
     )
     delete = verbs.add_parser("delete", help="remove one sandbox's route")
-    delete.add_argument("sandbox_id", metavar="ID")
-    delete.add_argument("--config", required=True)
-    delete.add_argument("--maxlen", type=int, default=DEFAULT_MAXLEN)
+    delete.add_argument("sandbox_id", metavar="ID", help="the sandbox id")
+    delete.add_argument("--config", required=True, help="TOML configuration file")
+    delete.add_argument(
+        "--maxlen",
+        type=int,
+        default=DEFAULT_MAXLEN,
+        help=f"redis: trim the event stream to about N entries (default {DEFAULT_MAXLEN}, 0 = no)",
+    )
     listing = verbs.add_parser("list", help="ids, addresses and generations (no tokens)")
-    listing.add_argument("--config", required=True)
+    listing.add_argument("--config", required=True, help="TOML configuration file")
 
 
 def run(args: argparse.Namespace) -> int:
