@@ -27,6 +27,7 @@ from relay.addresses import authority, family_mismatch
 from relay.closing import unsent
 from relay.core.model import PoolKey
 from relay.outbox import Outbox
+from relay.sourcebind import BindError, dial_from
 from relay.timers import CLOSE_GRACE_S
 
 if TYPE_CHECKING:
@@ -63,28 +64,40 @@ EXHAUSTED_LOG_S = 10.0
 # What a dial ran short of when it failed for want of relay's own resources (DialError.shortage).
 DESCRIPTORS = "descriptors"  # EXHAUSTED
 PORTS = "ports"  # no local port left towards this address and port: connect's EADDRNOTAVAIL
-SOURCE_PORTS = "source ports"  # bind(source_address, 0) found no free port: EADDRINUSE
+SOURCE_PORTS = "source ports"  # none of source_address's left towards it: connect's EADDRNOTAVAIL
 SOURCE_GONE = "source address"  # bind(source_address): EADDRNOTAVAIL, no interface has it
 
 
-def shortage(code: int | None, source: str | None) -> str | None:
+def shortage(code: int | None, source: str | None, *, at_bind: bool = False) -> str | None:
     """What relay ran short of, from a failed dial's errno, or None when the failure says
     something about the upstream (refused, unreachable) or the route (a family mismatch).
 
     A local port or address is relay's host's, not the guest's: nothing was sent to the
-    guest, so "port is not open" (502) blamed it wrongly, as for EMFILE. With a source
-    address uvloop binds (source, 0) before connecting, and without IP_BIND_ADDRESS_NO_PORT
-    the kernel picks a port free towards every destination there (EADDRINUSE when none is,
-    TIME_WAIT included: checked in a network namespace with a 4-port range); without one,
-    connect picks a port free towards this destination alone (EADDRNOTAVAIL).
+    guest, so "port is not open" (502) blamed it wrongly, as for EMFILE. Connect picks a
+    port free towards this destination alone, with a source address too (relay.sourcebind
+    binds it with IP_BIND_ADDRESS_NO_PORT), and fails with EADDRNOTAVAIL when none is
+    (checked in a network namespace with a 4-port range). ``at_bind``: the bind to the source
+    address failed (relay.sourcebind.BindError): EADDRNOTAVAIL there means no interface has
+    the address; EADDRINUSE, that a kernel without IP_BIND_ADDRESS_NO_PORT (before Linux 4.2)
+    found no port of it free towards every destination (TIME_WAIT included).
+
+    =============  ===========  ============  ============
+    errno          no source    source: bind  connect
+    =============  ===========  ============  ============
+    EMFILE, ...    DESCRIPTORS  DESCRIPTORS   DESCRIPTORS
+    EADDRNOTAVAIL  PORTS        SOURCE_GONE   SOURCE_PORTS
+    EADDRINUSE     None         SOURCE_PORTS  None
+    =============  ===========  ============  ============
     """
     if code in EXHAUSTED:
         return DESCRIPTORS
-    if code == errno.EADDRNOTAVAIL:
-        return SOURCE_GONE if source else PORTS
-    if code == errno.EADDRINUSE and source:
+    if not source:
+        return PORTS if code == errno.EADDRNOTAVAIL else None
+    if at_bind and code == errno.EADDRNOTAVAIL:
+        return SOURCE_GONE
+    if at_bind and code == errno.EADDRINUSE:
         return SOURCE_PORTS
-    return None
+    return SOURCE_PORTS if code == errno.EADDRNOTAVAIL else None
 
 
 def keep_alive_probes(sock: socket.socket) -> None:
@@ -423,9 +436,17 @@ class Pool:
         self._idle.clear()
 
     async def connect(self, key: PoolKey) -> UpstreamConnection:
-        """Dial, retrying a refused connect (SPEC §4); raises :class:`DialError`."""
+        """Dial, retrying a refused connect (SPEC §4); raises :class:`DialError`.
+
+        From ``source_address`` when set: relay makes the socket, binds it with
+        ``IP_BIND_ADDRESS_NO_PORT`` and lets connect pick the port per destination
+        (relay.sourcebind). uvloop's ``create_connection(local_addr=(source, 0))`` took a port
+        free towards every destination at once, so all the upstream connections of a host,
+        TIME_WAITs included, shared one ``ip_local_port_range`` (found by review). Without a
+        source, uvloop's own dial.
+        """
         loop = asyncio.get_running_loop()
-        local = (self.source_address, 0) if self.source_address else None
+        source = self.source_address
         attempts = len(RETRY_DELAYS_S) + 1
         observer = self.observer
         made: list[UpstreamConnection] = []  # the protocol create_connection makes, if any
@@ -434,12 +455,20 @@ class Pool:
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     try:
-                        _, conn = await loop.create_connection(
-                            lambda: _made(made, UpstreamConnection(self, key)),
-                            key.address,
-                            key.port,
-                            local_addr=local,
-                        )
+                        if not source:
+                            _, conn = await loop.create_connection(
+                                lambda: _made(made, UpstreamConnection(self, key)),
+                                key.address,
+                                key.port,
+                            )
+                        else:
+                            conn = await dial_from(
+                                loop,
+                                lambda: _made(made, UpstreamConnection(self, key)),
+                                key.address,
+                                key.port,
+                                source,
+                            )
                     except BaseException:
                         # Cancelled (the client left, or the timeout) once connection_made
                         # had run but before this task resumed: uvloop's create_connection
@@ -467,10 +496,10 @@ class Pool:
                 if observer is not None:
                     observer.dial_failed("error")
                 message = exc.strerror or type(exc).__name__
-                short = shortage(exc.errno, self.source_address)
+                short = shortage(exc.errno, source, at_bind=isinstance(exc, BindError))
                 if short is not None:
                     message = self._log_shortage(short, message, key)
-                reason = family_mismatch(self.source_address, key.address)
+                reason = family_mismatch(source, key.address)
                 raise DialError(reason or message, refused=False, shortage=short) from None
             except ValueError as exc:  # an address getaddrinfo cannot take (UnicodeError)
                 if observer is not None:
@@ -490,7 +519,8 @@ class Pool:
             why = f"no local port left towards {authority(key.address, key.port)}"
             message = f"{message}: {why}"
         elif short == SOURCE_PORTS:
-            why = f"no local port left on upstream.source_address {source}"
+            towards = authority(key.address, key.port)
+            why = f"no local port left on upstream.source_address {source} towards {towards}"
             message = f"{message}: {why}"
         else:
             why = f"upstream.source_address {source} is not assigned to any local interface"

@@ -1,6 +1,6 @@
 """A dial that fails for want of a local port or address of relay's host: EADDRNOTAVAIL (no
-ephemeral port left towards one guest address, or ``upstream.source_address`` gone from the
-host since relay checked it at start) and EADDRINUSE (no port left on the source address).
+ephemeral port left towards one guest address, from the source address or not; or, at the
+bind, ``upstream.source_address`` gone from the host since relay checked it at start).
 
 Nothing reached the guest, so these are answered as relay being overloaded (503, Retry-After)
 with a rate-limited warning naming what ran out, not 502 "port is not open", which blames it.
@@ -84,22 +84,28 @@ async def test_a_source_address_gone_from_the_host_is_answered_503_and_named(
 
 
 @pytest.mark.parametrize(
-    ("code", "source", "short"),
+    ("code", "source", "at_bind", "short"),
     [
-        (errno.EMFILE, None, DESCRIPTORS),
-        (errno.ENFILE, "10.0.0.1", DESCRIPTORS),
+        (errno.EMFILE, None, False, DESCRIPTORS),
+        (errno.ENFILE, "10.0.0.1", False, DESCRIPTORS),
         # connect() found no port towards this address and port (checked: a 4-port
-        # ip_local_port_range in a network namespace, relay's uvloop dial).
-        (errno.EADDRNOTAVAIL, None, PORTS),
-        # bind(source, 0): the address is not the host's (at bind) ...
-        (errno.EADDRNOTAVAIL, "10.0.0.1", SOURCE_GONE),
-        # ... or no port of it is free towards any destination (TIME_WAIT included).
-        (errno.EADDRINUSE, "10.0.0.1", SOURCE_PORTS),
-        (errno.EADDRINUSE, None, None),  # not from a dial without a bind
-        (errno.ECONNREFUSED, None, None),
-        (errno.EHOSTUNREACH, "10.0.0.1", None),
-        (errno.EINVAL, "::1", None),  # a family mismatch: the route's, said as such
+        # ip_local_port_range in a network namespace, relay's uvloop dial) ...
+        (errno.EADDRNOTAVAIL, None, False, PORTS),
+        # ... and from a source address bound without a port (tests/test_source_ports.py).
+        (errno.EADDRNOTAVAIL, "10.0.0.1", False, SOURCE_PORTS),
+        # bind(source, 0): the address is not the host's ...
+        (errno.EADDRNOTAVAIL, "10.0.0.1", True, SOURCE_GONE),
+        # ... or, on a kernel without IP_BIND_ADDRESS_NO_PORT, no port of it is free towards
+        # any destination (TIME_WAIT included).
+        (errno.EADDRINUSE, "10.0.0.1", True, SOURCE_PORTS),
+        (errno.EADDRINUSE, None, False, None),  # not from a dial without a bind
+        (errno.EADDRINUSE, "10.0.0.1", False, None),  # nor from a connect
+        (errno.ECONNREFUSED, None, False, None),
+        (errno.EHOSTUNREACH, "10.0.0.1", False, None),
+        (errno.EINVAL, "::1", True, None),  # a family mismatch: the route's, said as such
     ],
 )
-def test_what_a_failed_dial_ran_short_of(code: int, source: str | None, short: str) -> None:
-    assert shortage(code, source) == short
+def test_what_a_failed_dial_ran_short_of(
+    code: int, source: str | None, at_bind: bool, short: str
+) -> None:
+    assert shortage(code, source, at_bind=at_bind) == short

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from relay.upstreams import Pool, PoolKey
 from tests.support.harness import scripted_upstream
 
 
-async def test_a_dial_cancelled_after_connection_made_is_not_counted_open() -> None:
-    pool = Pool(connect_timeout_s=5.0)
+@pytest.mark.parametrize("source", [None, "127.0.0.1"])  # uvloop's dial, relay.sourcebind's
+async def test_a_dial_cancelled_after_connection_made_is_not_counted_open(
+    source: str | None,
+) -> None:
+    pool = Pool(connect_timeout_s=5.0, source_address=source)
     gone = asyncio.Event()
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
