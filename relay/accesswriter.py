@@ -87,8 +87,12 @@ class Writer:
         self.given_up = False  # finish() timed out: the sink is stalled, lines are dropped
         # The thread's:
         self.written = 0  # bytes of the blocks taken and written (or lost)
-        self.done = 0  # lines written
+        self.done = 0  # lines written, counted per block written whole (see _write_pieces)
         self.lost = 0  # lines lost to a failed write
+        # The block being written and how far (bytes, at a piece's end): what a finish that
+        # gives up mid-block counts as written.
+        self.current: bytes | None = None
+        self.progress = 0
         self.torn = False  # a write to the file stopped inside a line
         # Either's (a plain store): why lines were last dropped, for the warning.
         self.reason = ""
@@ -154,7 +158,9 @@ class Writer:
         """Relay is exiting without the sink: what is left is dropped, and every later line."""
         self.given_up = True
         self.blocks.clear()
-        self.refused += self.accepted - self.done - self.lost
+        current, progress = self.current, self.progress
+        partial = current.count(b"\n", 0, progress) if current is not None else 0
+        self.refused += self.accepted - self.done - partial - self.lost
 
     def _run(self) -> None:
         blocks, closing = self.blocks, self.closing
@@ -167,21 +173,30 @@ class Writer:
                 closing.wait(POLL_S)
                 continue
             done = self.done
+            self.current, self.progress = data, 0
             try:
-                lost, reason = self._write_file(data) if self.file else self._write_pieces(data)
+                if self.file:
+                    lost, reason = self._write_file(data, lines)
+                else:
+                    lost, reason = self._write_pieces(data, lines)
             except Exception:  # a bug here must not stop the access log for good
                 log.exception("internal error in the access-log writer")
                 lost, reason = lines - (self.done - done), "internal error"
             if self.given_up:
                 return  # finish() counted what this block had left: relay is exiting
+            self.current = None
             self.written += len(data)
             if lost:
                 self.lost += lost
                 self.reason = reason
 
-    def _write_pieces(self, data: bytes) -> tuple[int, str]:
-        """``data`` in pieces of at most PIPE_BUF bytes cut at line ends; the lines lost to
-        an error (a closed or broken pipe) and why."""
+    def _write_pieces(self, data: bytes, lines: int) -> tuple[int, str]:
+        """``data`` (``lines`` lines) in pieces of at most PIPE_BUF bytes cut at line ends;
+        the lines lost to an error (a closed or broken pipe) and why. Lines are counted only
+        when a write fails (or a finish gives up mid-block): a block written whole adds its
+        known count. Counting each piece's line ends cost ~2,800 instructions per request
+        (callgrind, bench.micro), about 0.5% of relay's CPU per small GET on the core it shares
+        with the loop."""
         view = memoryview(data)
         start = piece = 0
         try:
@@ -194,15 +209,16 @@ class Writer:
                     if not written:
                         raise OSError("wrote nothing")  # never for a pipe; no loop for ever
                     start += written
-                self.done += data.count(b"\n", piece, end)
-                piece = end
+                piece = self.progress = end
             if self.fd < 0:
                 self.stream.flush()
         except (OSError, ValueError) as exc:
+            self.done += data.count(b"\n", 0, piece)
             return data.count(b"\n", start), f"write failed: {_why(exc)}"
+        self.done += lines
         return 0, ""
 
-    def _write_file(self, data: bytes) -> tuple[int, str]:
+    def _write_file(self, data: bytes, lines: int) -> tuple[int, str]:
         """All of ``data`` in one ``write`` (more only if the kernel writes it short).
 
         A write cut short by a full disk, a quota or ``RLIMIT_FSIZE`` raises once nothing more
@@ -221,11 +237,12 @@ class Writer:
                     raise OSError("wrote nothing")  # never for a file; no loop for ever
                 done += written
         except OSError as exc:
+            self.done += data.count(b"\n", skip, done)
             return data.count(b"\n", max(done, skip)), f"write failed: {_why(exc)}"
         finally:
             if done:
                 self.torn = data[done - 1] != 0x0A  # b"\n"
-                self.done += data.count(b"\n", skip, done)
+        self.done += lines
         return 0, ""
 
 
