@@ -9,9 +9,7 @@ with a rate-limited warning naming what ran out, not 502 "port is not open", whi
 from __future__ import annotations
 
 import errno
-import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,29 +21,6 @@ from tests.support.harness import DOMAIN, route, running_relay
 from tests.support.rawhttp import request
 
 GONE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): assigned to no interface here
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(record.getMessage()))
-
-
-@pytest.fixture
-def access_lines() -> Iterator[list[dict[str, Any]]]:
-    """Access-log lines as relay writes them without ``accesslog.configure`` (its logger)."""
-    logger = logging.getLogger("relay.access")
-    handler, level = _Lines(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 async def test_a_source_address_gone_from_the_host_is_answered_503_and_named(
