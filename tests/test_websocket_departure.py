@@ -79,6 +79,7 @@ async def test_client_fin_ends_a_splice_relay_is_not_reading(
 ) -> None:
     # Its frames left unread wait for an upstream that takes none for SPLICE_FIN_WAIT_S.
     monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 1.0)
+    monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)  # (2 s by default)
     upstream_closed = asyncio.Event()
 
     async def hung_app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -108,7 +109,7 @@ async def test_client_fin_ends_a_splice_relay_is_not_reading(
         assert relay.relay.inflight.get("sbx") == 1
         (splice,) = relay.relay.live["sbx"]
         writer.close()  # the client leaves: a FIN, as any WebSocket client's close
-        # relay checks a client it does not read every PEER_CHECK_S (2 s): well within 5 s.
+        # relay checks a client it does not read every PEER_CHECK_S (0.25 s here): well within.
         await until(lambda: relay.relay.inflight.get("sbx", 0) == 0, within_s=8)
         assert splice.upstream.closed  # type: ignore[attr-defined]  # its upstream let go
         assert not relay.relay.connections
@@ -140,14 +141,21 @@ async def test_the_upstream_gets_everything_sent_before_the_client_fin(
     while relay's socket still held frames sent before it, its Close frame among them; they are
     passed on while the upstream takes some (relay.closing.SPLICE_FIN_WAIT_S). Then: progress
     was measured by what relay read from the paused client, which cannot move, so a steady
-    200 KB/s upstream was cut (there the wait is cut to 3 s and the peer check to 0.25 s;
-    ~25 s); now by what the upstream took, relay's buffer and the kernel's queue to it."""
+    200 KB/s upstream was cut; now by what the upstream took, relay's buffer and the kernel's
+    queue to it. There the wait is cut to 3 s and the peer check to 0.25 s: what the upstream
+    took moves in bursts up to ~1.5 s apart at 200 KB/s, what relay read from the client not
+    for ~4 s after the FIN (the kernel's send queue to the upstream, ~4 MB, wakes relay only
+    when a good part of it drained; the old measure cut at ~3.5 s). The upstream reads at
+    200 KB/s for two waits after the client's FIN, past that first stall, then the rest at
+    once: reading all ~4.8 MB at 200 KB/s took ~25 s."""
     steady = upstream == "steady-and-slow"
     if steady:
         monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 3.0)
-        monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)
+    # The first check comes one PEER_CHECK_S after relay stops reading the client.
+    monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)
     received = bytearray()
     done = asyncio.Event()
+    fin_sent = asyncio.Event()
     gaps: list[float] = []
 
     async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -156,19 +164,23 @@ async def test_the_upstream_gets_everything_sent_before_the_client_fin(
         if not steady:
             transport = cast("asyncio.Transport", writer.transport)
             transport.pause_reading()
-            await asyncio.sleep(4.5)  # slower than PEER_CHECK_S for a while, then reads all
+            await asyncio.sleep(1.0)  # slower than PEER_CHECK_S for a while, then reads all
             transport.resume_reading()
         last = time.monotonic()
+        slow_until = float("inf")
         try:
             for _ in range(4000):  # bounded; steady: a little every 50 ms, never stopping
-                chunk = await asyncio.wait_for(reader.read(10000 if steady else 1 << 20), 8)
+                slow = steady and last < slow_until
+                chunk = await asyncio.wait_for(reader.read(10000 if slow else 1 << 20), 8)
                 if not chunk:
                     break
                 now = time.monotonic()
                 gaps.append(now - last)
                 last = now
                 received.extend(chunk)
-                if steady:
+                if fin_sent.is_set() and slow_until == float("inf"):
+                    slow_until = now + 2 * closing.SPLICE_FIN_WAIT_S
+                if slow:
                     await asyncio.sleep(0.05)
         except (TimeoutError, ConnectionError):
             pass
@@ -184,7 +196,8 @@ async def test_the_upstream_gets_everything_sent_before_the_client_fin(
             relay.port, port, lambda: next(iter(relay.relay.connections))
         )
         sent += await close_and_half_close(writer)
-        await asyncio.wait_for(done.wait(), 200)
+        fin_sent.set()
+        await asyncio.wait_for(done.wait(), 60)
         writer.close()
     if steady:
         assert max(gaps[1:], default=0) < 0.5  # the upstream took some at least every 0.5 s
