@@ -249,10 +249,13 @@ async def test_a_sighup_while_a_worker_restarts_does_not_kill_it(tmp_path: Path)
     assert len(died) == 1, died  # the SIGKILL above, not the reload
 
 
-async def slow_app(seconds: float) -> TestServer:
-    """A started app that answers GET / after ``seconds``: an exchange a drain waits for."""
+async def slow_app(seconds: float, arrived: asyncio.Event | None = None) -> TestServer:
+    """A started app that answers GET / after ``seconds``: an exchange a drain waits for;
+    ``arrived`` is set when a request comes in."""
 
     async def slow(_request: web.Request) -> web.Response:
+        if arrived is not None:
+            arrived.set()
         await asyncio.sleep(seconds)
         return web.Response(text="done")
 
@@ -267,7 +270,9 @@ async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: P
     """process.drain_timeout_s is reloadable (SPEC §7): the supervisor, which kills workers
     that outlive it, must use the reloaded value as the workers do."""
 
-    upstream = await slow_app(8)
+    arrived = asyncio.Event()
+    # Past the old deadline, 1 + KILL_GRACE_S = 6 s from the SIGTERM, sent once it arrived.
+    upstream = await slow_app(7, arrived)
     relay = RelayProcess(
         tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 1}}
     )
@@ -288,7 +293,7 @@ async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: P
         host = f"{upstream.port}-box.{DOMAIN}"
         writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         await writer.drain()
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(arrived.wait(), 5)
         relay.proc.send_signal(signal.SIGTERM)  # the old deadline: 1 + KILL_GRACE_S = 6 s
         answer = await asyncio.wait_for(reader.read(), 15)
         writer.close()
@@ -649,7 +654,7 @@ async def test_a_worker_restarted_after_the_certificate_expired_comes_back(
     """Its siblings serve the pair whatever its dates now (they were checked when it was
     loaded); a worker that dies after the certificate expired must come back and serve the
     same, not fail its start on the date check and leave relay a worker short for good."""
-    lifetime_s = 10.0  # long enough for a slow start; the expiry is waited out below
+    lifetime_s = 4.0  # long enough for a slow start (~1 s here); the expiry is waited out below
     expires = time.monotonic() + lifetime_s
     certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"], not_after_days=lifetime_s / 86400)
     overrides: dict[str, Any] = {
@@ -661,7 +666,8 @@ async def test_a_worker_restarted_after_the_certificate_expired_comes_back(
     try:
         pids = await _ready_pids(relay, lifetime_s)
         assert pids
-        await asyncio.sleep(max(0.0, expires - time.monotonic()) + 1.5)
+        # (notAfter is whole seconds, cut down: it is past once expires is.)
+        await asyncio.sleep(max(0.0, expires - time.monotonic()) + 0.5)
         os.kill(pids[0], signal.SIGKILL)
         back = await _ready_pids(relay, 8, exclude=pids[0])
     finally:
@@ -737,7 +743,7 @@ async def test_a_worker_that_dies_during_the_drain_makes_the_exit_code_1(tmp_pat
 
     upstream = await slow_app(5)
     relay = RelayProcess(
-        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 3}}
+        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 1.5}}
     )
     relay.start(timeout=20)
     try:
@@ -754,7 +760,7 @@ async def test_a_worker_that_dies_during_the_drain_makes_the_exit_code_1(tmp_pat
         relay.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         draining = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
-        assert draining  # a worker holding an exchange drains for up to 3 s
+        assert draining  # a worker holding an exchange drains for up to 1.5 s
         os.kill(draining[0], signal.SIGKILL)
         code = await asyncio.to_thread(relay.proc.wait, 15)
         for writer in writers:
