@@ -87,7 +87,14 @@ def test_a_sighup_while_starting_is_a_reload(
         time.sleep(after_s)  # during relay's imports (~0.1-0.3 s), before the loop's handlers
         assert proc.poll() is None
         proc.send_signal(signal.SIGHUP)
-        time.sleep(1.5)
+        # Until every process logged the reload (a supervisor forwards it to its workers once
+        # they are ready): the SIGHUP was taken, not its default action (bounded: 10 s).
+        logged = 1 + workers if workers > 1 else 1
+        deadline = time.monotonic() + 10
+        while (tmp_path / "stderr").read_text().count("reload requested") < logged:
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()[-500:]
+            assert time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-500:]
+            time.sleep(0.02)
         assert proc.poll() is None, (tmp_path / "stderr").read_text()[-500:]
     finally:
         assert _stop(proc) == 0
@@ -184,6 +191,16 @@ WRAPPER = (
 )
 
 
+def _waits_for_a_lock(pid: int) -> bool:
+    """Whether ``pid`` is blocked on a file lock: a "->" line of /proc/locks (proc(5)), as
+    "1: -> FLOCK  ADVISORY  WRITE 4242 00:2e:1234 0 EOF"."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "->" and fields[5] == str(pid):
+            return True
+    return False
+
+
 @pytest.mark.parametrize(
     "launch",
     [
@@ -211,8 +228,11 @@ def test_other_commands_keep_the_default_signal_actions(tmp_path: Path, launch: 
         stderr=subprocess.DEVNULL,
     )
     try:
-        time.sleep(1.0)
-        assert proc.poll() is None
+        deadline = time.monotonic() + 10
+        while not _waits_for_a_lock(proc.pid):  # bounded: 10 s
+            assert proc.poll() is None
+            assert time.monotonic() < deadline, "the put never waited for the lock"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=5) == -signal.SIGTERM
     finally:
