@@ -242,7 +242,12 @@ async def test_a_sighup_while_a_worker_restarts_does_not_kill_it(tmp_path: Path)
             await asyncio.sleep(0.01)
         assert relay.proc is not None
         relay.proc.send_signal(signal.SIGHUP)  # systemctl reload while worker 0 starts
-        await asyncio.sleep(1.5)
+        # Until the supervisor and both workers took the reload: worker 0 once it is ready, or
+        # a death of its instead (bounded: 5 s).
+        for _ in range(250):
+            if relay.output().count("reload requested") >= 3:
+                break
+            await asyncio.sleep(0.02)
     finally:
         relay.stop()
     died = [line for line in relay.output().splitlines() if "died" in line]
