@@ -276,10 +276,10 @@ async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: P
     that outlive it, must use the reloaded value as the workers do."""
 
     arrived = asyncio.Event()
-    # Past the old deadline, 1 + KILL_GRACE_S = 6 s from the SIGTERM, sent once it arrived.
-    upstream = await slow_app(7, arrived)
+    # Past the old deadline, 0.1 + KILL_GRACE_S = 5.1 s from the SIGTERM, sent once it arrived.
+    upstream = await slow_app(6, arrived)
     relay = RelayProcess(
-        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 1}}
+        tmp_path, [route("box", insecure=True)], {"process": {"workers": 2, "drain_timeout_s": 0.1}}
     )
     relay.start(timeout=20)
     try:
@@ -299,7 +299,7 @@ async def test_a_reloaded_drain_timeout_holds_for_the_supervisor_too(tmp_path: P
         writer.write(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         await writer.drain()
         await asyncio.wait_for(arrived.wait(), 5)
-        relay.proc.send_signal(signal.SIGTERM)  # the old deadline: 1 + KILL_GRACE_S = 6 s
+        relay.proc.send_signal(signal.SIGTERM)  # the old deadline: 0.1 + KILL_GRACE_S = 5.1 s
         answer = await asyncio.wait_for(reader.read(), 15)
         writer.close()
         await asyncio.to_thread(relay.proc.wait, 15)
