@@ -169,7 +169,7 @@ async def test_the_upstream_gets_everything_sent_before_the_client_fin(
         last = time.monotonic()
         slow_until = float("inf")
         try:
-            for _ in range(4000):  # bounded; steady: a little every 50 ms, never stopping
+            for _ in range(4000):  # bounded; steady: a little every 50 ms, then the rest
                 slow = steady and last < slow_until
                 chunk = await asyncio.wait_for(reader.read(10000 if slow else 1 << 20), 8)
                 if not chunk:
