@@ -19,7 +19,7 @@ from relay.core.model import Route
 from relay.core.routes import RouteError, parse_route
 from relay.runtime import Relay
 
-ROUTES = 10_000
+ROUTES = 5_000
 BATCH = 500  # routes per feed batch, as bench/route_feed.py publishes them
 
 
@@ -70,6 +70,6 @@ def test_full_replacements_keep_the_live_heap_flat(tmp_path: Path) -> None:
     route = relay.table.get("m00000007")
     assert route is not None
     assert route.generation == 5
-    # One round's routes are several MiB (10,000 routes with two tokens each): a leak of the
+    # One round's routes are a few MiB (5,000 routes with two tokens each): a leak of the
     # replaced routes would show three times that. Allow 0.5 MiB for interpreter noise.
     assert after_more - after_first < 512 * 1024, (after_first, after_more)
