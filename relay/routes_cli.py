@@ -51,22 +51,17 @@ def add_parser(sub: Any) -> None:
     verbs = routes.add_subparsers(dest="verb", required=True)
     put = verbs.add_parser("put", help='publish routes: one route object or {"routes": [...]}')
     put.add_argument("source_file", metavar="FILE", help="JSON file, or - for stdin")
-    put.add_argument("--config", required=True, help="TOML configuration file")
-    put.add_argument(
-        "--maxlen",
-        type=int,
-        default=DEFAULT_MAXLEN,
-        help=f"redis: trim the event stream to about N entries (default {DEFAULT_MAXLEN}, 0 = no)",
-    )
     delete = verbs.add_parser("delete", help="remove one sandbox's route")
     delete.add_argument("sandbox_id", metavar="ID", help="the sandbox id")
-    delete.add_argument("--config", required=True, help="TOML configuration file")
-    delete.add_argument(
-        "--maxlen",
-        type=int,
-        default=DEFAULT_MAXLEN,
-        help=f"redis: trim the event stream to about N entries (default {DEFAULT_MAXLEN}, 0 = no)",
-    )
+    for writer in (put, delete):
+        writer.add_argument("--config", required=True, help="TOML configuration file")
+        writer.add_argument(
+            "--maxlen",
+            type=int,
+            default=DEFAULT_MAXLEN,
+            help=f"redis: trim the event stream to about N entries (default {DEFAULT_MAXLEN}, "
+            "0 = no)",
+        )
     listing = verbs.add_parser("list", help="ids, addresses and generations (no tokens)")
     listing.add_argument("--config", required=True, help="TOML configuration file")
 
