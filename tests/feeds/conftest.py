@@ -8,19 +8,13 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from tests.feeds.redisproc import RedisProcess, redis_server_path
+from tests.feeds.redisproc import RedisProcess, running_redis
 
 
 @pytest.fixture
 def redis_proc(tmp_path: Path) -> Iterator[RedisProcess]:
-    if redis_server_path() is None:
-        pytest.fail("redis-server is not installed (make test installs it)")
-    server = RedisProcess(tmp_path / "redis")
-    server.start()
-    try:
+    with running_redis(tmp_path / "redis") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -14,7 +14,10 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.support.ports import free_port
 
@@ -117,3 +120,17 @@ class RedisProcess:
             self.proc = None
             if proc.stderr is not None:
                 proc.stderr.close()
+
+
+@contextlib.contextmanager
+def running_redis(directory: Path, host: str = "127.0.0.1") -> Iterator[RedisProcess]:
+    """A started redis-server for one test, stopped after it; fails the test (not skips it)
+    when redis-server is missing, as ``make test`` installs it."""
+    if redis_server_path() is None:
+        pytest.fail("redis-server is not installed (make test installs it)")
+    server = RedisProcess(directory, host=host)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -26,7 +26,7 @@ from tests.feeds.helpers import (
     wait_for,
     wait_until,
 )
-from tests.feeds.redisproc import RedisProcess, redis_server_path
+from tests.feeds.redisproc import RedisProcess, running_redis
 from tests.support.ipv6 import no_ipv6_loopback
 
 _NO_IPV6 = no_ipv6_loopback()
@@ -35,14 +35,8 @@ pytestmark = pytest.mark.skipif(_NO_IPV6 is not None, reason=f"no IPv6 loopback:
 
 @pytest.fixture
 def redis_v6(tmp_path: Path) -> Iterator[RedisProcess]:
-    if redis_server_path() is None:
-        pytest.fail("redis-server is not installed (make test installs it)")
-    server = RedisProcess(tmp_path / "redis", host="::1")
-    server.start()
-    try:
+    with running_redis(tmp_path / "redis", host="::1") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
