@@ -147,7 +147,7 @@ def build(access_log: bool) -> Any:
     # The access log exactly as `relay serve` sets it up (relay.__main__), its stdout being
     # /dev/null here; the child answers its parent on a copy of the real stdout.
     from relay import __main__ as cli
-    from relay.config import parse
+    from relay.config_parse import parse
     from relay.core.routes import parse_routes
     from relay.runtime import Relay
     from relay.upstreams import PoolKey, UpstreamConnection

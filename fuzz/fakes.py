@@ -19,7 +19,7 @@ import httptools
 from invariants import ENVD_PORT, ROUTES, go_path
 
 from relay import response, server, slices
-from relay.config import parse
+from relay.config_parse import parse
 from relay.core import headers as header_rules
 from relay.core import policy
 from relay.outbox import Outbox

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from relay import __version__, accesslog, routes_cli
-from relay.config import Config, ConfigError, config_sections, load, redact_url
+from relay.config import Config, ConfigError
+from relay.config_parse import config_sections, load
+from relay.config_redis import redact_url
 from relay.core.auth import file_signature
 
 log = logging.getLogger("relay")

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from relay.addresses import parse_http_url
-from relay.config import Config, ConfigError, load, networks
+from relay.config import Config, ConfigError, networks
+from relay.config_parse import load
 from relay.core.routes import outside_allowed
 from relay.tlscheck import uncovered_domains
 

@@ -24,7 +24,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relay.config import Config, load
+from relay.config import Config
+from relay.config_parse import load
 from relay.core.model import Route
 from relay.core.routes import RouteError, parse_route, parse_routes, public_view
 from relay.core.target import valid_sandbox_id

@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from relay.config import Config, ConfigError, config_sections, parse
+from relay.config import Config, ConfigError
+from relay.config_parse import config_sections, parse
 
 log = logging.getLogger("relay")
 
@@ -67,7 +68,7 @@ def load_saved(run_dir: Path, config_file: str) -> Saved | None:
         return None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    source = Path(config_file).absolute()  # as relay.config.load: links followed at each open
+    source = Path(config_file).absolute()  # as relay.config_parse.load: links followed at each open
     config = dataclasses.replace(parse(data["config"], source.parent), source=source)
     tls_files = None
     if len(pem) == 2:

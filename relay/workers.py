@@ -49,7 +49,8 @@ from aiohttp import web
 
 from relay import admin, metrics, sharedcount, systemd
 from relay.addresses import split_address
-from relay.config import Config, load
+from relay.config import Config
+from relay.config_parse import load
 from relay.lifecycle import WORKER_FORCE_SIGNAL, admin_socket
 from relay.startup import binding
 from relay.supervision import (

@@ -13,7 +13,8 @@ import pytest
 
 from relay.__main__ import _parser, log_level, main, redacted
 from relay.addresses import split_address
-from relay.config import ConfigError, load, parse
+from relay.config import ConfigError
+from relay.config_parse import load, parse
 from tests.support.harness import serve_until_exit
 from tests.support.ports import free_port
 

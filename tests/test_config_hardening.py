@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 from relay.__main__ import main
-from relay.config import ConfigError, load, parse, redact_url
+from relay.config import ConfigError
+from relay.config_parse import load, parse
+from relay.config_redis import redact_url
 from relay.feeds.file import write_routes_file
 from relay.feeds.redis_client import redis_target
 from tests.support.certs import issue

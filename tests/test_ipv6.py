@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from relay.config import load, parse
+from relay.config_parse import load, parse
 from relay.runtime import Relay
 from relay.startup import StartupError
 from tests.support.fake_app import FakeApp

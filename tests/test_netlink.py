@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from relay.config import ConfigError, Upstream, parse
+from relay.config import ConfigError, Upstream
+from relay.config_parse import parse
 from relay.netlink import InterfaceAddress, pick_source, read_addresses, resolve_source
 from relay.runtime import Relay
 from tests.support.harness import DOMAIN, config_data, route, running_relay, serve_until_exit

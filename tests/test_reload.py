@@ -24,7 +24,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from cryptography import x509
 
-from relay.config import Config, load, parse
+from relay.config import Config
+from relay.config_parse import load, parse
 from relay.reload import RELOADABLE, flatten, plan, reload_settings
 from relay.runtime import Relay
 from tests.support.certs import Issued, issue

@@ -14,7 +14,7 @@ import gc
 import tracemalloc
 from pathlib import Path
 
-from relay.config import parse
+from relay.config_parse import parse
 from relay.core.model import Route
 from relay.core.routes import RouteError, parse_route
 from relay.runtime import Relay

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from relay.config import parse
+from relay.config_parse import parse
 from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV
 from relay.runtime import Relay, WorkerRelay, _relay
 from relay.sharedcount import CELL, SLOTS, SharedCounts, create, slots, zero_column

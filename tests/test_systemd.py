@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from relay.config import load
+from relay.config_parse import load
 from relay.systemd import Notifier, message, notify_address, watchdog_interval_s
 from tests.support.certs import Issued, issue
 from tests.support.harness import DOMAIN, RelayProcess, route, write_routes

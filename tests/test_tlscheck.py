@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from relay.__main__ import main
-from relay.config import load, parse
+from relay.config_parse import load, parse
 from relay.runtime import Relay
 from relay.tlscheck import (
     TLSCheckError,

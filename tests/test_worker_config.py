@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from relay.config import load
+from relay.config_parse import load
 from relay.lifecycle import RUN_DIR_ENV, WORKER_ENV, effective_config
 from relay.reload import plan, reload_settings
 from relay.runtime import Relay

@@ -18,7 +18,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from relay import metrics, workers
-from relay.config import ConfigError, load, parse
+from relay.config import ConfigError
+from relay.config_parse import load, parse
 from relay.supervision import (
     BACKOFF_MAX_S,
     STABLE_S,

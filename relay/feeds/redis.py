@@ -44,7 +44,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from relay.config import url_password
+from relay.config_redis import url_password
 from relay.core.feed import (
     MISSING,
     Fold,

@@ -16,7 +16,8 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from relay.config import Config, parse
+from relay.config import Config
+from relay.config_parse import parse
 from relay.feeds.redis import RedisFeed
 from relay.feeds.redis_client import publish_delete, publish_puts
 from relay.runtime import Relay

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from relay.config import parse
+from relay.config_parse import parse
 from tests.feeds.helpers import (
     CLIENT_TIMEOUT,
     LiveStream,

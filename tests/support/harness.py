@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relay.config import Config, parse
+from relay.config import Config
+from relay.config_parse import parse
 from relay.runtime import Relay
 from tests.support.certs import issue
 from tests.support.ports import free_port

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relay.config import parse
+from relay.config_parse import parse
 from relay.core.model import Route
 from relay.runtime import Relay
 from relay.server import ClientConnection
