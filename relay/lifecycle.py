@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relay import metrics, systemd
+from relay import metric_snapshot, metrics, systemd
 from relay.drain import drain
 from relay.startup import check_open_files
 from relay.systemd import Notifier
@@ -193,7 +193,9 @@ class Lifecycle:
                 # After the stop: its access-log lines dropped at exit count too.
                 if self.worker is not None:
                     with contextlib.suppress(OSError):
-                        metrics.write_snapshot(self.worker.metrics_dir, metrics.snapshot(relay))
+                        metrics.write_snapshot(
+                            self.worker.metrics_dir, metric_snapshot.snapshot(relay)
+                        )
             self.notifier.status("stopped")
             self.notifier.close()
             log.info("stopped")
@@ -243,7 +245,7 @@ class Lifecycle:
     async def _snapshots(self, directory: Path) -> None:
         while True:
             try:
-                metrics.write_snapshot(directory, metrics.snapshot(self.relay))
+                metrics.write_snapshot(directory, metric_snapshot.snapshot(self.relay))
             except OSError as exc:
                 log.warning("cannot write the metrics snapshot: %s", exc)
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)

@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from relay.core.model import Forward, Kind, Reason, Reject, RequestHead
-from relay.metrics import SPECS, families, read_snapshots, write_snapshot
+from relay.metric_snapshot import SPECS
+from relay.metrics import families, read_snapshots, write_snapshot
 from relay.observe import Histogram, Observer
 from tests.core.test_failures import forward as make_forward
 from tests.support.harness import (

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from relay import metrics, reload
+from relay import metric_snapshot, reload
 from relay.config import in_networks
 from relay.core.routes import Network, RouteTable
 from relay.feeds import redis as redis_feed_module
@@ -418,7 +418,9 @@ async def test_trimmed_while_paused_resyncs(
         assert route_t0.generation == 5
         assert feed.failures == 0  # noticed while connected, not by reconnecting
         counters = dict(
-            (name, rows[0][1]) for name, rows in metrics.snapshot(relay)["counters"].items() if rows
+            (name, rows[0][1])
+            for name, rows in metric_snapshot.snapshot(relay)["counters"].items()
+            if rows
         )
         assert counters["relay_feed_gaps"] == 1
         assert counters["relay_feed_snapshots"] == 2
