@@ -24,6 +24,7 @@ from relay import metric_snapshot, reload
 from relay.config import in_networks
 from relay.core.routes import Network, RouteTable
 from relay.feeds import redis as redis_feed_module
+from relay.feeds import redis_snapshot
 from relay.feeds.redis import RedisFeed
 from relay.feeds.redis_client import RedisTarget
 from relay.runtime import Relay
@@ -648,7 +649,9 @@ async def test_entries_it_cannot_apply_resync_at_most_so_often(
     """Found by review: each read that held an entry relay cannot apply reloaded the whole hash,
     so a control plane writing them steadily cost every relay a full resync per read. One per
     UNAPPLIED_RESYNC_S at most, and the last change still lands after the last entry."""
-    monkeypatch.setattr(redis_feed_module, "UNAPPLIED_RESYNC_S", 0.5, raising=False)
+    # Read by the follow loop (relay.feeds.redis) and by a new feed's clock (redis_snapshot).
+    for module in (redis_feed_module, redis_snapshot):
+        monkeypatch.setattr(module, "UNAPPLIED_RESYNC_S", 0.5)
     relay = await start_relay(relay_config(tmp_path, redis_proc.url), block_ms=100)
     try:
         feed = relay.feed
