@@ -50,7 +50,7 @@ with atheris.instrument_imports(include=["relay"]):
     )
     from invariants import ROUTES, frame_ends
 
-    from relay import response
+    from relay import response, response_events
     from relay.core import streams
     from relay.core.streams import CLOSE_GOING_AWAY, EnvelopeTracker, close_frame
     from relay.forward import Exchange
@@ -62,7 +62,7 @@ import httptools
 # what happens past them is fuzzed too: a response head or trailers too large, an envelope
 # over the hold limit (passed through unheld), too many envelopes or frames in one read (no
 # longer followed).
-response.RESPONSE_HEAD_LIMIT = 512
+response.RESPONSE_HEAD_LIMIT = response_events.RESPONSE_HEAD_LIMIT = 512
 EnvelopeTracker.__init__.__defaults__ = (64,)
 streams.MAX_ENVELOPES_PER_READ = 16
 streams.MAX_FRAMES_PER_READ = 16

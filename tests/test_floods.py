@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import flow, response
+from relay import flow, response, response_events
 from tests.support.wired import DOMAIN, Wired, make_wired
 
 
@@ -270,7 +270,7 @@ def test_a_read_of_interim_responses_short_of_the_limit_yields(
     wired = make_wired(tmp_path, busy=1 << 30)
     wired.client.data_received(GET)
     wired.turns.end()
-    monkeypatch.setattr(response, "MAX_INTERIM", 1000)
+    monkeypatch.setattr(response_events, "MAX_INTERIM", 1000)
     wired.upstream.data_received(b"HTTP/1.1 100 Continue\r\n\r\n" * 1000)
     assert not upstream_reading(wired)
     wired.turns.end()
@@ -286,7 +286,7 @@ def test_an_endless_run_of_interim_responses_is_a_502(tmp_path: Path) -> None:
     wired.upstream.data_received(b"HTTP/1.1 103 Early Hints\r\n\r\n" * 10_000)
     wired.turns.end()
     got = client_got(wired)
-    assert got.count(b" 103 Early Hints") == response.MAX_INTERIM
+    assert got.count(b" 103 Early Hints") == response_events.MAX_INTERIM
     assert got[got.rindex(b"HTTP/1.1 ") :].startswith(b"HTTP/1.1 502 ")
     assert wired.upstream_transport.closing
 

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay import flow, heads, response
+from relay import flow, heads, response, response_events
 from tests.support.wired import DOMAIN, Wired, make_wired
 from tests.test_floods import (
     CHUNKED,
@@ -63,7 +63,7 @@ def test_a_101_on_a_sliced_connection_keeps_every_websocket_byte(
         wired.client.data_received(HANDSHAKE)  # on the same pooled connection
         wired.turns.end()
     else:
-        monkeypatch.setattr(response, "MAX_INTERIM", 1000)  # enough to be dense
+        monkeypatch.setattr(response_events, "MAX_INTERIM", 1000)  # enough to be dense
         wired.client.data_received(HANDSHAKE)
         wired.turns.end()
         wired.upstream.data_received(b"HTTP/1.1 103 Early Hints\r\n\r\n" * (flow.FLOOD_PIECES + 1))

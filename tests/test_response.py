@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from relay.core.model import Headers
-from relay.response import RESPONSE_HEAD_LIMIT, ResponseReader
+from relay.response import ResponseReader
+from relay.response_events import RESPONSE_HEAD_LIMIT
 
 Event = tuple[Any, ...]
 
