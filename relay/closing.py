@@ -10,7 +10,7 @@ the rest: reading requests with llhttp, starting exchanges in order, flow contro
 
 Why a base class and not an object of its own: both halves read and write the same fields of
 the one connection; the annotations below are those fields, and ``ClientConnection`` owns
-their slots and sets them (as ``relay.respond.Respond`` does for an exchange).
+their slots and sets them (as ``relay.finish.Finish`` does for an exchange).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from relay.answer import http_date
 from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_CLIENT_FULL, PAUSE_UPGRADE
-from relay.respond import http_date
 
 if TYPE_CHECKING:
     from relay.forward import Exchange
@@ -154,7 +154,7 @@ class Closing:
         return True
 
     def drop_after_fin(self) -> None:
-        """The client's FIN ended its stream (relay.respond, end_at_fin): every exchange ends
+        """The client's FIN ended its stream (relay.finish, end_at_fin): every exchange ends
         now (client_closed), its upstream closed and its in-flight slot freed; the connection
         closes once what relay wrote is flushed, within the close's deadlines. Not at the
         close's end: a client that does not read never takes the rest, and the upstream was

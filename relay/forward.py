@@ -19,21 +19,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from relay.answer import DISCARD_LIMIT
 from relay.core import failures
 from relay.core.model import Forward, Framing, Kind, Reject, RequestHead
+from relay.finish import ANSWERED, CHUNKED, DONE, STREAMING, UPGRADED, State
 from relay.flow import PAUSE_DIAL, PAUSE_UPSTREAM_FULL
-from relay.respond import (
-    ANSWERED,
-    CHUNKED,
-    CRLF,
-    DISCARD_LIMIT,
-    DONE,
-    LAST_CHUNK,
-    STREAMING,
-    UPGRADED,
-    Respond,
-    State,
-)
+from relay.respond import CRLF, LAST_CHUNK, Respond
 from relay.response import ResponseReader
 from relay.upstreams import DESCRIPTORS, DialError, PoolKey, UpstreamConnection
 from relay.websocket import Splice

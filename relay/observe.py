@@ -26,7 +26,7 @@ from relay.core.model import Forward, Reason, Reject, RequestHead
 from relay.core.routes import RouteError
 
 if TYPE_CHECKING:
-    from relay.respond import Respond  # an Exchange, typed by the fields it is observed by
+    from relay.finish import Finish  # an Exchange, typed by the fields it is observed by
     from relay.websocket import Splice
 
 log = logging.getLogger("relay")
@@ -134,7 +134,7 @@ class Observer:
                 reason=reject.reason.label,
             )
 
-    def first_response_byte(self, exchange: Respond) -> None:
+    def first_response_byte(self, exchange: Finish) -> None:
         """The upstream's final response head arrived (``Exchange.response_head``)."""
         decision = exchange.decision
         if not isinstance(decision, Forward):
@@ -161,7 +161,7 @@ class Observer:
     def routes_installed(self, source: str, count: int) -> None:
         self.feed_failing_since = None
 
-    def exchange_done(self, exchange: Respond) -> None:
+    def exchange_done(self, exchange: Finish) -> None:
         # On the path of every request: each value is read once, and the usual line takes
         # AccessLog.served, which has no conditionals (relay.accesslog).
         decision = exchange.decision

@@ -1,47 +1,37 @@
-"""The client's half of an exchange: what the client is sent, and how the exchange ends.
+"""The upstream's response written to the client, and an exchange cut short.
 
-:class:`Respond` holds the methods of :class:`relay.forward.Exchange` that write to the
-client: relay's own answer when it refuses a request; the upstream's response as the
-:class:`~relay.response.ResponseReader` reports it (the head planned by
-``relay.core.responses``, the body re-framed, what one upstream read produced coalesced into
-one write); and the end of the exchange: complete (``_finish``: the upstream connection back
-to its pool), or cut early, which gives a Connect stream a well-formed ``unavailable``
-end-of-stream envelope and leaves any other started body visibly truncated.
-``relay.forward`` keeps the other half: starting, dialling, and the request's bytes.
+:class:`Respond` holds the methods of :class:`relay.forward.Exchange` that relay the
+upstream's response as the :class:`~relay.response.ResponseReader` reports it: the head
+planned by ``relay.core.responses``, the body re-framed (chunked, or passed on as read), what
+one upstream read produced coalesced into one write, and the response's end, which finishes
+the exchange (``relay.finish``). It also cuts an exchange short (revoked, relay stopping, a
+malformed response, a bug): relay's own answer if nothing was written yet (``relay.answer``),
+else a Connect stream gets a well-formed ``unavailable`` end-of-stream envelope and any other
+started body is left visibly truncated. ``relay.forward`` keeps the other half: starting,
+dialling, and the request's bytes.
 
 Why a base class and not an object of its own: both halves read and write the same fields on
-every request; one object per request keeps the hot path to plain attribute reads. The
-annotations below are those shared fields; ``Exchange`` owns their slots and sets them.
+every request; one object per request keeps the hot path to plain attribute reads. The fields
+are declared in :class:`relay.finish.Finish`; ``Exchange`` sets them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import email.utils
-import enum
 import logging
-import time
-from typing import TYPE_CHECKING
 
+from relay.answer import Answer, http_date
 from relay.core import failures, responses
 from relay.core import headers as header_rules
-from relay.core.answers import answer_bytes, reason_phrase, render
-from relay.core.model import Forward, Framing, Headers, Reason, Reject, RequestHead
+from relay.core.answers import reason_phrase
+from relay.core.model import Forward, Framing, Headers, Reason, Reject
 from relay.core.streams import EnvelopeTracker, end_stream_frame
-from relay.flow import PAUSE_DIAL, PAUSE_UPSTREAM_FULL
-
-if TYPE_CHECKING:
-    from relay.flow import Client
-    from relay.response import ResponseReader
-    from relay.upstreams import UpstreamConnection
+from relay.finish import ANSWERED, CHUNKED, DONE, LENGTH, STREAMING, UPGRADED
+from relay.flow import PAUSE_DIAL
 
 log = logging.getLogger("relay.forward")  # the exchange's logger, whichever half logs
 
 CRLF = b"\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
-# A refused request's body is read and dropped up to this size so that the connection can be
-# kept; past it the connection is closed after the answer.
-DISCARD_LIMIT = 1 << 20
 # The chunk-size lines of small chunks, made once: a stream's events arrive one at a time on a
 # core that was idle, where formatting one with ``b"%x\r\n" % n`` cost ~6 µs and a lookup ~3
 # (bench.micro --cold-ms; bench/README.md, "A ninth host"). ~47 KiB per process.
@@ -52,225 +42,10 @@ CHUNK_HEADS = tuple(b"%x\r\n" % n for n in range(SMALL_CHUNK))
 CHUNK_SIZES = {head: n for n, head in enumerate(CHUNK_HEADS) if n}
 
 
-_date: tuple[int, bytes] = (0, b"")  # the second http_date() last formatted, and its text
+class Respond(Answer):
+    """The upstream's response to the client, and cuts (see the module docstring)."""
 
-
-def http_date() -> bytes:
-    """Now as an IMF-fixdate (RFC 9110 §5.6.7), for the Date of relay's own answers (§6.6.1),
-    formatted once per second (~3 µs each), as nginx and aiohttp cache theirs."""
-    global _date  # noqa: PLW0603 - one value per process, replaced whole
-    now = int(time.time())
-    if now != _date[0]:
-        _date = (now, email.utils.formatdate(now, usegmt=True).encode("ascii"))
-    return _date[1]
-
-
-class State(enum.Enum):
-    NEW = "new"  # created, waiting behind a pipelined predecessor
-    DIALING = "dialing"  # forwarded, waiting for an upstream connection
-    STREAMING = "streaming"  # the upstream connection is attached
-    ANSWERED = "answered"  # relay answered itself; the request body is being discarded
-    UPGRADED = "upgraded"  # handed over to a WebSocket splice
-    DONE = "done"
-
-
-# Module names for the enum members an exchange tests about a dozen times per request (the
-# rest are in relay.forward, where they are used): in
-# Python 3.11 ``State.DONE`` is an attribute lookup through the Enum metaclass (~65 ns, where a
-# global costs ~5 ns); together about 1 of the 15 µs relay spends per small GET (bench/micro.py).
-STREAMING = State.STREAMING
-ANSWERED = State.ANSWERED
-UPGRADED = State.UPGRADED
-DONE = State.DONE
-CHUNKED = Framing.CHUNKED
-LENGTH = Framing.LENGTH
-
-
-class Respond:
-    """The client-facing methods of an exchange (see the module docstring)."""
-
-    # The fields both halves use (Exchange sets them in __init__ and adds its own).
-    __slots__ = (
-        "_client_framing",
-        "_dial_task",
-        "_interim_sent",
-        "_out",
-        "_pending",
-        "_tracker",
-        "_upstream_keepalive",
-        "bytes_in",
-        "bytes_out",
-        "client",
-        "decision",
-        "head",
-        "keep_alive",
-        "reader",
-        "reason",
-        "request_complete",
-        "response_complete",
-        "started_at",
-        "state",
-        "status",
-        "upstream",
-    )
-
-    client: Client
-    head: RequestHead
-    decision: Forward | Reject | None
-    state: State
-    keep_alive: bool
-    request_complete: bool
-    response_complete: bool
-    status: int
-    reason: str
-    bytes_in: int
-    bytes_out: int
-    started_at: float  # time.monotonic() when the request head was read
-    upstream: UpstreamConnection | None
-    reader: ResponseReader | None
-    _out: list[bytes]  # response bytes of the current upstream read, written by flush()
-    _pending: list[bytes]  # request body read before the upstream was attached
-    _client_framing: Framing
-    _tracker: EnvelopeTracker | None  # set for a Connect stream (clean end when cut)
-    _interim_sent: bool
-    _upstream_keepalive: bool
-    _dial_task: asyncio.Task[None] | None
-    _flood_waits: bool  # the rest of an upstream read is fed in the next pass (relay.forward)
-
-    def streaming(self) -> bool:
-        """A response of unknown length is under way: a stream. Chunked to the client, or to
-        an HTTP/1.0 client unframed, to the close (RFC 9112 §6.3). A response without a body
-        (HEAD, 204, 304, relay's own answers) is complete before anything else runs."""
-        return (
-            self._client_framing is not LENGTH and bool(self.status) and not self.response_complete
-        )
-
-    def flush(self) -> None:
-        """Write what the response produced so far (one upstream read) in one writev."""
-        out = self._out
-        if out:
-            self._out = []
-            self.client.writelines(out)
-
-    def answer(self, reject: Reject) -> None:
-        """Answer the client ourselves (before any response byte was written)."""
-        self.flush()  # an interim 100 Continue may be waiting
-        self.state = ANSWERED
-        self.client.relay.observer.refused(reject, self.client.peer)
-        answer = render(reject, self.head.headers)
-        self.status = answer.status
-        self.reason = self.reason or reject.reason.label
-        # Keep the connection only if the request body is (or will be) small enough to drop.
-        keep = (
-            self.keep_alive
-            and not reject.reason.closes
-            and not self.head.upgrade
-            and self._discard_ok()
-        )
-        self.keep_alive = keep
-        head_only = self.head.method == b"HEAD"
-        self.client.write(
-            answer_bytes(
-                answer,
-                close=not keep,
-                head_only=head_only,
-                version=self.head.version,
-                date=http_date(),
-            )
-        )
-        self.bytes_out += 0 if head_only else len(answer.body)
-        self.response_complete = True
-        self._pending = []
-        if self.request_complete or not keep:
-            self._finish()
-        else:
-            # No longer in flight to its sandbox (max_connections), as in _drop_rest: a 502
-            # before the body's end (nothing listening) kept counting while the client sent
-            # the rest, and the sandbox's next request got 429 (found by review).
-            self.client.relay.unregister(self)
-            self.client.discarding()  # the rest of the body is dropped, within a deadline
-
-    def _discard_ok(self, *, unsized: bool = True) -> bool:
-        """The rest of the request body can be read and dropped, the connection kept;
-        ``unsized``: the answer for a chunked body, whose size is known only at its end."""
-        if self.request_complete:
-            return True
-        if self._expects_continue():
-            return False
-        cl = header_rules.index(self.head.headers).get(b"content-length")
-        if cl is not None:
-            try:
-                return int(cl[0]) <= DISCARD_LIMIT
-            except ValueError:
-                return False
-        return unsized  # chunked: dropped until the limit, then closed (see request_body)
-
-    def _expects_continue(self) -> bool:
-        """The client asked ``Expect: 100-continue``: it may hold its body back for a 100 that
-        relay's refusal does not send. Kept, the connection is ambiguous: a client may skip the
-        body and send its next request (older Go transports and OkHttp did: OkHttp issue
-        #3252), which would be dropped as that body. Go's net/http server (E2B's proxy) closes
-        after answering such a request whose body it has not read to its end
-        (closeAfterReply), whether or not some of it came; so does relay (found by review: the
-        next request went unanswered)."""
-        if self.head.version != "1.1":
-            return False  # RFC 9110 §10.1.1: the expectation is ignored from HTTP/1.0 clients
-        expect = header_rules.index(self.head.headers).get(b"expect")
-        return expect is not None and any(b"100-continue" in v.lower() for v in expect)
-
-    def _drop_reader(self) -> ResponseReader | None:
-        """Break reader → exchange, so the exchange is freed by reference counting.
-
-        The reader and its parser stay with the upstream connection for its next exchange;
-        the connection breaks reader ↔ parser when it closes (UpstreamConnection.close).
-        """
-        reader, self.reader = self.reader, None
-        if reader is not None:
-            reader.unbind()
-        return reader
-
-    def _finish(self) -> None:
-        if self.state is DONE:
-            return
-        relay = self.client.relay
-        # No longer in flight before the client can see the end: with workers, its next
-        # request may reach another worker at once, which reads this one's count from the
-        # shared table (relay.sharedcount) and answered 429 while it was still there.
-        relay.unregister(self)
-        if self._out:
-            self.flush()  # before the next pipelined exchange writes anything
-        reader = self._drop_reader()
-        upgraded = self.state is UPGRADED
-        self.state = DONE
-        conn, self.upstream = self.upstream, None
-        if conn is not None and not upgraded:
-            if conn.write_paused:
-                # The upstream answered without reading the request (its buffer is full):
-                # not reused with those bytes in front of the next request, and the client,
-                # paused for that buffer, is read again (the connection's resume_writing
-                # will not come to this exchange any more).
-                reusable = False
-                self.client.resume(PAUSE_UPSTREAM_FULL)
-            else:
-                reusable = (
-                    self._upstream_keepalive
-                    and self.response_complete
-                    and self.request_complete
-                    and self.head.method != b"HEAD"
-                    and not (isinstance(self.decision, Forward) and self.decision.websocket)
-                )
-            if reusable and reader is not None and reader.feeding:
-                conn.owner = None
-                reader.release_after_feed(conn, relay.pool)  # see ResponseReader._release
-            elif reusable:
-                relay.pool.release(conn)
-            else:
-                conn.owner = None
-                conn.close()
-        relay.observer.exchange_done(self)
-        if not upgraded:
-            keep = self.keep_alive and self.request_complete
-            self.client.exchange_finished(self, keep_alive=keep)
+    __slots__ = ()
 
     # -- the upstream's response (events from the ResponseReader) ---------------------------
     def response_interim(self, status: int, reason: bytes, headers: Headers) -> None:
@@ -353,41 +128,6 @@ class Respond:
                 self.client.relay.outbox.later(self._end_stream_after_fin)  # bounded: the read
                 return
             self.end_at_fin()
-
-    def end_at_fin(self) -> None:
-        """The client sent its FIN during this stream: the client connection ends, and with
-        it the exchange (client_closed). A close-delimited body (an HTTP/1.0 client) is
-        complete at an orderly close (RFC 9112 §8), and a half-closed client may still read:
-        a reset tells it the answer was cut, as for any cut (cut; found by review: the part
-        written read as the whole answer). A chunked one lacks its last chunk: a close, the
-        exchanges ended first (Closing.drop_after_fin)."""
-        if self._client_framing is Framing.NONE:
-            self.client.abort()
-        else:
-            self.client.drop_after_fin()
-
-    def _drop_rest(self) -> None:
-        """The response ended before the request body: the rest of the body has nowhere to
-        go, so it is read and dropped as after relay's own answers (within DISCARD_LIMIT and
-        ``listen.header_timeout_s``) and the client connection is kept, as nginx discards it;
-        the upstream connection, which has part of a body, is closed."""
-        # No longer in flight to its sandbox (max_connections), before the client sees the
-        # response's end (see _finish).
-        self.client.relay.unregister(self)
-        self.flush()
-        self.state = ANSWERED
-        self._let_go_of_upstream()
-        self.client.discarding()
-
-    def _let_go_of_upstream(self) -> None:
-        """Close the upstream connection, which holds part of this exchange (never reused),
-        and read the client again if it was paused for that connection's full buffer."""
-        conn, self.upstream = self.upstream, None
-        self._upstream_keepalive = False
-        if conn is not None:
-            conn.owner = None
-            conn.close()
-        self.client.resume(PAUSE_UPSTREAM_FULL)
 
     def _unrelayable(self, why: str) -> int:
         """A head relay will not pass on: nothing was written, so the client gets a 502."""

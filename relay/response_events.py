@@ -12,7 +12,7 @@ stage before this one, ``relay.response``.
 
 Why a base class and not an object of its own: llhttp calls back the object it was made with,
 and both stages read and write the same fields on every read; one object per connection keeps
-them plain slot reads (as ``relay.respond`` does for an exchange).
+them plain slot reads (as ``relay.finish`` does for an exchange's stages).
 """
 
 from __future__ import annotations

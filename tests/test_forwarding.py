@@ -414,7 +414,7 @@ async def test_an_answered_exchange_dropping_its_body_is_not_in_flight(tmp_path:
     # A 502 for an app port nothing listens on, sent before the request body ended: the rest of
     # the body is read and dropped, the connection kept. That exchange has no upstream any more
     # and must not count against max_connections (SPEC §5a), as an answer that came from the
-    # upstream before the body's end does not (Respond._drop_rest). It did: the sandbox's next
+    # upstream before the body's end does not (Finish._drop_rest). It did: the sandbox's next
     # request, on another connection, was answered 429 until the first client sent its body.
     closed = free_port()
     routes = [route("lim", insecure=True, max_connections=1)]

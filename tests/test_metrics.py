@@ -51,7 +51,7 @@ def test_histogram_buckets_are_upper_bounds_inclusive() -> None:
 
 
 class _Done:
-    """What Observer.exchange_done reads off a finished exchange (relay.respond.Respond)."""
+    """What Observer.exchange_done reads off a finished exchange (relay.finish.Finish)."""
 
     def __init__(self, decision: Forward | Reject, status: int) -> None:
         self.decision = decision

@@ -23,7 +23,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import drain, flow, respond, server
+from relay import drain, flow, server
+from relay.answer import DISCARD_LIMIT
 from relay.upstreams import PoolKey, UpstreamConnection
 from tests.support.wired import DOMAIN, RESPONSE, Recorder, Wired, make_wired
 
@@ -556,7 +557,7 @@ def test_a_body_past_the_discard_limit_in_its_last_read_lingers(tmp_path: Path) 
     head = f"POST /n HTTP/1.1\r\nHost: 3000-nosuch.{DOMAIN}\r\nTransfer-Encoding: chunked\r\n\r\n"
     wired.client.data_received(head.encode())  # answered at once: no such sandbox
     wired.turns.end()
-    body = chunks(4096, respond.DISCARD_LIMIT // 4096 + 2, b"z") + b"0\r\n\r\n"
+    body = chunks(4096, DISCARD_LIMIT // 4096 + 2, b"z") + b"0\r\n\r\n"
     wired.client.data_received(body + f"GET /g HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
     wired.turns.end()
     assert [kind for kind, _ in wired.client_transport.events] == ["write", "eof"]

@@ -176,7 +176,7 @@ def answer_bytes(
     ``version`` is the request's: an HTTP/1.0 client is told a kept connection is kept (found by
     review: relay kept it silently, and the client could wait for the close).
     ``date``: the Date field's value, which RFC 9110 §6.6.1 requires of an origin server with
-    a clock in every 4xx; the adapter reads the clock (``relay.respond.http_date``)."""
+    a clock in every 4xx; the adapter reads the clock (``relay.answer.http_date``)."""
     fields = answer.headers
     if answer.status != 204:  # a 204 has no Content-Length (RFC 9110 §8.6)
         fields = (*fields, (b"Content-Length", str(len(answer.body)).encode()))
