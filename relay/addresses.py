@@ -22,7 +22,7 @@ def is_dns_name(domain: str) -> bool:
 
 
 def split_address(address: str) -> tuple[str, int] | None:
-    """``host:port`` or ``[v6]:port`` → (host, port)."""
+    """``host:port`` or ``[v6]:port`` → (host, port); None for anything else."""
     host, sep, port = address.rpartition(":")
     # isascii: str.isdigit() also accepts digits int() refuses ("²"); at most 5 digits, as
     # int() refuses strings past 4,300 digits with a ValueError (found by review).
@@ -34,17 +34,18 @@ def split_address(address: str) -> tuple[str, int] | None:
         return None
     if not host:
         return None
-    # The host must be one: an IPv6 address (bracketed or not: the last colon ends it), an
-    # IPv4 address or a DNS name. Anything else failed only at bind time, exit 1 "Unknown
-    # error -2", while check-config passed it (found by review).
-    bracketed = host.startswith("[") and host.endswith("]")
-    if bracketed or ":" in host:
-        host = host[1:-1] if bracketed else host
+    # The host must be one: an IPv6 address in brackets, an IPv4 address or a DNS name.
+    # Anything else failed only at bind time, exit 1 "Unknown error -2", while check-config
+    # passed it (found by review). An IPv6 address without brackets is refused, as nginx's
+    # `listen` refuses it and RFC 3986 §3.2.2 writes it: "fd00::1:2" is both fd00::1 port 2
+    # and fd00::1:2 without a port, and relay used to bind the first silently.
+    if host.startswith("[") and host.endswith("]"):
         try:
-            ipaddress.IPv6Address(host)
+            ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             return None
-    elif not is_dns_name(host):
+        host = host[1:-1]
+    elif not is_dns_name(host):  # an unbracketed IPv6 address too: ":" is in no label
         return None
     return host, int(port)
 

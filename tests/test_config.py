@@ -192,6 +192,10 @@ def test_domains_in_any_case_and_with_a_root_dot_are_accepted() -> None:
         ("listen", "[::1]:"),
         ("listen", "[::1]:65536"),
         ("admin", "::1"),
+        # Unbracketed: fd00::1 port 2, or fd00::1:2 with no port? Refused (nginx too).
+        ("listen", "::1:8080"),
+        ("listen", "fd00::1:2"),
+        ("admin", "::1:9090"),
         ("admin", "[fe80::1]x:80"),
     ],
 )
@@ -252,7 +256,6 @@ def test_distinct_addresses_are_accepted(listen: list[str], admin: str) -> None:
     [
         ("127.0.0.1:8080", "127.0.0.1"),
         ("[::1]:8080", "::1"),
-        ("::1:8080", "::1"),  # unbracketed IPv6: the last colon ends it, as before
         ("localhost:8080", "localhost"),
         ("relay-1.internal.:8080", "relay-1.internal."),
     ],
