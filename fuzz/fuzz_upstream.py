@@ -96,6 +96,10 @@ class Message:
         self.ours = ours  # relay wrote it: a parse error is a crash (else: the guest's error)
         self.error = False
         self.parser = httptools.HttpResponseParser(self)
+        if not ours:
+            # The upstream's bytes, read as relay reads them: a bare LF ends a line
+            # (relay.response, RFC 9112 §2.2); relay's own output must not have one.
+            self.parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True)
         self.head_only = head_only
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
@@ -232,7 +236,7 @@ class Harness:
         assert b"HEAD" not in methods, "a connection reused after a response to HEAD"
         pos, finals = 0, 0
         while pos < len(data) and data[pos:].strip(b"\r\n"):
-            message = Message(head_only=False)
+            message = Message(head_only=False, ours=False)
             pos = message.read(data, pos)
             assert message.complete, ("pooled mid-response", data, methods)
             assert not message.upgrade, data

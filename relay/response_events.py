@@ -196,7 +196,18 @@ class ResponseCallbacks:
             # fields) would make llhttp refuse the final response that must follow it. With
             # this, llhttp reads on after any closing message; relay itself never reuses a
             # connection after one, and drops what follows a final response with it (_extra).
-            self.parser.set_dangerous_leniencies(lenient_keep_alive=True)
+            # A bare LF ends a line (RFC 9112 §2.2: a recipient MAY recognise one), as nginx
+            # and Go's client (E2B's proxy) read it; it was a 502 (found by review). Only
+            # here: a request with one is refused (smuggling), and relay writes every head
+            # itself, CRLF-framed. The flag is the parser's: llhttp also takes a bare LF after
+            # chunk data and in trailers (never after a chunk size), where §7.1 has only CRLF
+            # (nginx, lenient there too, turned strict in late 2025: nginx PR #1016). Kept, as
+            # turning it off for each body cost two calls per response: relay re-frames every
+            # body, so such a chunk misframes nothing but this guest's own connection. A bare
+            # CR stays an error (§2.2); a head with a bare LF is never remembered (relay.heads).
+            self.parser.set_dangerous_leniencies(
+                lenient_keep_alive=True, lenient_optional_cr_before_lf=True
+            )
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0  # the current response head's size, then its trailers'
         self._in_head = False  # fields now are head fields, not trailers

@@ -80,6 +80,20 @@ SCRIPTS: dict[str, tuple[bytes, bool]] = {
     "two-cl": (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", True),
     "obs-fold": (b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 0\r\n\r\n", True),
     "bare-lf": (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok", True),
+    # Bare LF line ends in one place each, and a bare CR (never a line end, RFC 9112 §2.2).
+    "bare-lf-status": (b"HTTP/1.1 200 OK\nX-A: a\r\nContent-Length: 2\r\n\r\nok", False),
+    "bare-lf-field": (b"HTTP/1.1 200 OK\r\nX-A: a\nContent-Length: 2\r\n\r\nok", False),
+    "bare-lf-end": (b"HTTP/1.1 200 OK\r\nX-A: a\r\nContent-Length: 2\r\n\nok", False),
+    "bare-lf-chunked": (
+        b"HTTP/1.1 200 OK\nX-A: a\nTransfer-Encoding: chunked\n\n2\r\nok\r\n0\r\nX-T: t\n\n",
+        False,
+    ),
+    "bare-lf-interim": (
+        b"HTTP/1.1 103 Early Hints\nX-A: a\n\nHTTP/1.1 200 OK\nContent-Length: 2\n\nok",
+        False,
+    ),
+    "bare-cr": (b"HTTP/1.1 200 OK\rX-A: a\r\nContent-Length: 2\r\n\r\nok", True),
+    "cr-in-value": (b"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Length: 2\r\n\r\nok", True),
     "nul-header": (b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n", True),
     "big-header": (
         b"HTTP/1.1 200 OK\r\nX-Big: " + b"b" * (100 * 1024) + b"\r\nContent-Length: 2\r\n\r\nok",

@@ -1,0 +1,91 @@
+"""What relay makes of an upstream's response head (the guest's app may send anything).
+
+relay writes every head it relays itself (``relay.core.responses``), so whatever line ends,
+spellings or framing fields an upstream used, the client gets one well-formed HTTP/1.1 head:
+each answer below is read raw and framed by a strict llhttp, which refuses a bare LF.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httptools
+import pytest
+
+from tests.hostile.conftest import Hostile
+from tests.hostile.test_broken_upstreams import still_serves
+from tests.support.rawhttp import request_bytes
+
+
+class _Strict:
+    """A strict llhttp's reading of what relay wrote: the heads, and whether a final
+    response (not 1xx) ended."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.statuses: list[int] = []
+        self.headers: list[list[tuple[bytes, bytes]]] = []
+        self.body = b""
+        self.done = False
+
+    def on_message_begin(self) -> None:
+        self.headers.append([])
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[-1].append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.statuses.append(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.done = self.statuses[-1] >= 200
+
+
+async def raw_answer(hostile: Hostile, path: str) -> tuple[bytes, _Strict]:
+    """GET ``path`` from the shared app upstream: the bytes relay wrote up to the end of the
+    final response, and how a strict parser framed them."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", hostile.port)
+    strict = _Strict()
+    raw = b""
+    try:
+        writer.write(request_bytes("GET", path, hostile.app))
+        while not strict.done:
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data, raw
+            raw += data
+            strict.parser.feed_data(data)  # raises on a bare LF or any other framing error
+    finally:
+        writer.close()
+    return raw, strict
+
+
+@pytest.mark.parametrize(
+    ("script", "statuses", "fields"),
+    [
+        ("bare-lf", [200], []),
+        ("bare-lf-status", [200], [(b"X-A", b"a")]),
+        ("bare-lf-field", [200], [(b"X-A", b"a")]),
+        ("bare-lf-end", [200], [(b"X-A", b"a")]),
+        ("bare-lf-chunked", [200], [(b"X-A", b"a")]),
+        ("bare-lf-interim", [103, 200], []),
+    ],
+)
+async def test_a_head_with_bare_lf_line_ends_is_relayed_with_crlf(
+    hostile: Hostile, script: str, statuses: list[int], fields: list[tuple[bytes, bytes]]
+) -> None:
+    """RFC 9112 §2.2: "a recipient MAY recognize a single LF as a line terminator and ignore
+    any preceding CR". nginx and Go's HTTP client (E2B's proxy) read such a response head;
+    relay answered 502 (found by review). Only an upstream's head, never a client's request
+    (tests/hostile/test_smuggling.py: a bare LF there is refused). What the client gets is
+    relay's own CRLF head: a strict parser reads it."""
+    raw, strict = await raw_answer(hostile, f"/raw/{script}")
+    assert strict.statuses == statuses, raw
+    assert strict.body == b"ok"
+    head = raw[: raw.rindex(b"\r\n\r\n")]
+    assert head.count(b"\n") == head.count(b"\r\n"), raw
+    for name, value in fields:
+        assert (name, value) in strict.headers[-1]
+    await still_serves(hostile)
