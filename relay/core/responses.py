@@ -139,14 +139,17 @@ def _plan(key: PlanKey) -> ResponsePlan:
     status, reason, headers, method, client_version, keep_alive, websocket = key
     out, seen = end_to_end(headers)
     length = seen.get(b"content-length")
+    # relay's own number (re-framed, SPEC §5a): llhttp admitted one value of digits (no list),
+    # with any leading zeros and trailing OWS the guest wrote (found by review: written on).
+    size = -1 if length is None else int(length)
     ends_at_head = method == b"HEAD"
     if ends_at_head or status in (204, 304):
         framing = Framing.NONE
-        if length is not None and status != 204:
-            out.append((b"Content-Length", length))  # the size a GET would have (RFC 9110 §8.6)
-    elif length is not None and b"transfer-encoding" not in seen:
+        if size >= 0 and status != 204:
+            out.append((b"Content-Length", b"%d" % size))  # as a GET's (RFC 9110 §8.6)
+    elif size >= 0 and b"transfer-encoding" not in seen:
         framing = Framing.LENGTH
-        out.append((b"Content-Length", length))
+        out.append((b"Content-Length", b"%d" % size))
     elif b"transfer-encoding" in seen and not only_chunked(headers):
         # RFC 9112 §6.3: with a final coding other than chunked the body runs to the close,
         # still in that coding. relay drops Transfer-Encoding (hop-by-hop) and would hand the
@@ -187,8 +190,7 @@ def _plan(key: PlanKey) -> ResponsePlan:
         keep_alive=keep_alive,
         connect_stream=connect_stream,
         ends_at_head=ends_at_head,
-        # llhttp admitted the value: digits only, one value (a list of equal values included).
-        length=int(length.split(b",")[0]) if framing is Framing.LENGTH and length else -1,
+        length=size if framing is Framing.LENGTH else -1,
         dateless=b"date" not in seen,
     )
 

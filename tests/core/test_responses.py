@@ -213,3 +213,18 @@ def test_a_response_without_a_date_is_planned_for_one(
     dated = responses.with_date(planned.head, b"Mon, 07 Dec 2026 20:00:00 GMT")
     assert dated.startswith(b"HTTP/1.1 200 OK\r\nDate: Mon, 07 Dec 2026 20:00:00 GMT\r\n")
     assert dated.endswith(planned.head.partition(b"\r\n")[2])
+
+
+@pytest.mark.parametrize("value", [b"0005", b"5 ", b"5\t", b"000000000000000000000005"])
+@pytest.mark.parametrize(("status", "method"), [(200, b"GET"), (200, b"HEAD"), (304, b"GET")])
+def test_the_content_length_written_is_relays_own_number(
+    value: bytes, status: int, method: bytes
+) -> None:
+    """relay re-frames every response (SPEC §5a): the Content-Length it writes is its own
+    decimal, as for a request. llhttp admits leading zeros and trailing whitespace (OWS,
+    RFC 9110 §5.5), which went to the client as the guest wrote them (found by review; nginx
+    writes its own number too)."""
+    got = plan(((b"Content-Length", value),), status, method=method)
+    assert b"\r\nContent-Length: 5\r\n" in got.head
+    if status == 200 and method == b"GET":
+        assert got.length == 5
