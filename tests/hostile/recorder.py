@@ -92,6 +92,21 @@ SCRIPTS: dict[str, tuple[bytes, bool]] = {
         b"HTTP/1.1 103 Early Hints\nX-A: a\n\nHTTP/1.1 200 OK\nContent-Length: 2\n\nok",
         False,
     ),
+    # Heads relay reads as RFC 9110/9112 say and writes its own way (test_response_heads.py).
+    "interim-length": (
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nContent-Length: 3\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        False,
+    ),
+    "no-content-length": (b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\nhello", False),
+    "connection-listed": (
+        b"HTTP/1.1 200 OK\r\nConnection: X-Secret, Set-Cookie\r\nX-Secret: s\r\n"
+        b"Set-Cookie: a=1\r\nKeep-Alive: timeout=5\r\nX-Kept: k\r\nContent-Length: 2\r\n\r\nok",
+        False,
+    ),
+    "no-reason": (b"HTTP/1.1 200\r\nContent-Length: 2\r\n\r\nok", False),
+    "http10-status": (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
+    "length-spelled": (b"HTTP/1.1 200 OK\r\nContent-Length: 0002\t\r\n\r\nok", False),
     "bare-cr": (b"HTTP/1.1 200 OK\rX-A: a\r\nContent-Length: 2\r\n\r\nok", True),
     "cr-in-value": (b"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Length: 2\r\n\r\nok", True),
     "nul-header": (b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n", True),

@@ -89,3 +89,54 @@ async def test_a_head_with_bare_lf_line_ends_is_relayed_with_crlf(
     for name, value in fields:
         assert (name, value) in strict.headers[-1]
     await still_serves(hostile)
+
+
+@pytest.mark.parametrize(
+    ("script", "status_lines", "body", "present", "absent"),
+    [
+        # RFC 9110 §15.2: a 1xx ends at its head; its Content-Length frames nothing and is
+        # not passed on (nor anywhere but relay's own framing, SPEC §5a).
+        ("interim-length", [b"HTTP/1.1 103 Early Hints", b"HTTP/1.1 200 OK"], b"ok", [], []),
+        # RFC 9110 §8.6: no Content-Length in a 204; the bytes after it are not a body
+        # (RFC 9112 §6.3), and the connection that sent them is not reused.
+        ("no-content-length", [b"HTTP/1.1 204 No Content"], b"", [], [b"content-length"]),
+        # RFC 9110 §7.6.1: the fields Connection names go, whatever they are (nginx passes
+        # them; Go's ReverseProxy, E2B's proxy, removes them too).
+        (
+            "connection-listed",
+            [b"HTTP/1.1 200 OK"],
+            b"ok",
+            [(b"X-Kept", b"k")],
+            [b"x-secret", b"set-cookie", b"keep-alive", b"connection"],
+        ),
+        # No reason phrase (RFC 9112 §4 allows none): the status's own. An HTTP/1.0 status
+        # line: relay speaks HTTP/1.1 to the client. A Content-Length spelled "0002\t"
+        # (llhttp admits both): relay's own number.
+        ("no-reason", [b"HTTP/1.1 200 OK"], b"ok", [], []),
+        ("http10-status", [b"HTTP/1.1 200 OK"], b"ok", [], []),
+        ("length-spelled", [b"HTTP/1.1 200 OK"], b"ok", [(b"Content-Length", b"2")], []),
+    ],
+)
+async def test_heads_are_relayed_in_relays_own_spelling(
+    hostile: Hostile,
+    script: str,
+    status_lines: list[bytes],
+    body: bytes,
+    present: list[tuple[bytes, bytes]],
+    absent: list[bytes],
+) -> None:
+    """What was checked against RFC 9110/9112 and nginx and found right (review D2): each
+    answer is one well-formed head per message, in relay's spelling."""
+    raw, strict = await raw_answer(hostile, f"/raw/{script}")
+    lines = [part.split(b"\r\n")[0] for part in raw.split(b"\r\n\r\n")[: len(status_lines)]]
+    assert lines == status_lines, raw
+    assert strict.body == body
+    final = strict.headers[-1]
+    for field in present:
+        assert field in final, raw
+    names = [name.lower() for name, _ in final]
+    for name in absent:
+        assert name not in names, raw
+    for interim in strict.headers[:-1]:
+        assert [name for name, _ in interim if name.lower() == b"content-length"] == [], raw
+    await still_serves(hostile)
