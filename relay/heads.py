@@ -15,8 +15,9 @@ refuses what follows, and a replay would not). It is replayed only for a read wi
 bytes, again at the start of a message. The results do not depend on which connection or
 peer sent the bytes, and relay's own checks (size limits, routing, auth) run on a replayed
 head exactly as on a parsed one. A line ended by a bare CR or LF is never remembered (llhttp
-reads an upstream's bare LF as a line end, ``relay.response_events``, so it could end the head there,
-before the first empty CRLF line where the remembered key ends); it refuses one in a request.
+reads an upstream's bare LF as a line end, ``relay.response_events``, so it could end the head
+there, before the first empty CRLF line where the remembered key ends); it refuses one in a
+request.
 
 Bounded like the decision memo (``relay.decisions``): each memo is dropped whole when it holds
 ``KNOWN_HEADS`` heads, and a head longer than ``KNOWN_HEAD_BYTES`` or with more than
