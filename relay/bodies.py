@@ -20,7 +20,8 @@ them held the loop for seconds while every other client waited (the upstream got
 1-byte chunks). Chunk boundaries carry no meaning (RFC 9112 §7.1: a proxy may re-chunk), and
 the read is passed on as soon as it is parsed, so nothing waits for more bytes.
 
-Why a base class: as :class:`relay.closing.Closing` (its own base), these methods read and
+Why a base class: as :class:`relay.departures.Departures` (its own base, above
+:class:`relay.refusals.Refusals` and :class:`relay.closing.Closing`), these methods read and
 write the fields of the one connection. ``ClientConnection`` sets them in ``__init__``; the
 slots of the fields only this half uses are declared here.
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import httptools
 
-from relay.closing import Closing
+from relay.departures import Departures
 
 # A read's body pieces beyond this many are joined before they go upstream: one copy of many
 # small pieces costs less than a write each. Fewer (large chunks, an ordinary upload's reads)
@@ -37,7 +38,7 @@ from relay.closing import Closing
 JOIN_PIECES = 8
 
 
-class RequestBodies(Closing):
+class RequestBodies(Departures):
     """The request-body half of a client connection (see the module docstring)."""
 
     __slots__ = (

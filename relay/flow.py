@@ -210,7 +210,7 @@ class Client(Protocol):
     relay: Relay
     peer: str
     write_paused: bool  # the client's socket buffer is full: stop reading the upstream
-    client_eof: bool  # the client sent its FIN (relay.closing, eof_received)
+    client_eof: bool  # the client sent its FIN (relay.departures, eof_received)
 
     def write(self, data: bytes) -> None: ...
     def writelines(self, parts: list[bytes]) -> None: ...

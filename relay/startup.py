@@ -127,7 +127,7 @@ def tune_open_files() -> int:
     and most shells start a service with a soft limit of 1,024 and a far higher hard one, for
     programs that still use ``select()`` (which breaks past descriptor 1,023); a program that
     needs more raises its soft limit itself, as Go's runtime does for every Go program (E2B's
-    proxy among them). relay never calls ``select()`` (uvloop uses epoll; relay.closing
+    proxy among them). relay never calls ``select()`` (uvloop uses epoll; relay.departures
     polls). Without this, a relay run outside the shipped unit (``LimitNOFILE=131072``) shed
     connections past ~500 while its configuration allowed 10,000 (found by review). Workers
     inherit the raised limit.

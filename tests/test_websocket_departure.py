@@ -2,7 +2,7 @@
 spliced.
 
 When relay is not reading the client (the upstream's write buffer is full: a hung or slow
-app), the client's departure is only noticed by ``check_peer`` (relay/closing.py), which
+app), the client's departure is only noticed by ``check_peer`` (relay/departures.py), which
 polls for POLLERR/POLLHUP only. A client that closes its socket normally sends a FIN, which
 is POLLRDHUP: ignored. The splice then lives for as long as the upstream stays silent,
 holding both sockets and counting as in flight for the sandbox (SPEC §5a max_connections),
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, cast
 
 import pytest
 
-from relay import closing, timers
+from relay import departures, timers
 from relay.flow import PAUSE_UPSTREAM_FULL
 from tests.support.harness import DOMAIN, route, running_relay, scripted_upstream, until
 
@@ -78,7 +78,7 @@ async def test_client_fin_ends_a_splice_relay_is_not_reading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Its frames left unread wait for an upstream that takes none for SPLICE_FIN_WAIT_S.
-    monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 1.0)
+    monkeypatch.setattr(departures, "SPLICE_FIN_WAIT_S", 1.0)
     monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)  # (2 s by default)
     upstream_closed = asyncio.Event()
 
@@ -139,7 +139,7 @@ async def test_the_upstream_gets_everything_sent_before_the_client_fin(
 ) -> None:
     """Found by reviews of the fix above: the peer check cut the splice at the client's FIN
     while relay's socket still held frames sent before it, its Close frame among them; they are
-    passed on while the upstream takes some (relay.closing.SPLICE_FIN_WAIT_S). Then: progress
+    passed on while the upstream takes some (relay.departures.SPLICE_FIN_WAIT_S). Then: progress
     was measured by what relay read from the paused client, which cannot move, so a steady
     200 KB/s upstream was cut; now by what the upstream took, relay's buffer and the kernel's
     queue to it. There the wait is cut to 3 s and the peer check to 0.25 s: what the upstream
@@ -150,7 +150,7 @@ async def test_the_upstream_gets_everything_sent_before_the_client_fin(
     once: reading all ~4.8 MB at 200 KB/s took ~25 s."""
     steady = upstream == "steady-and-slow"
     if steady:
-        monkeypatch.setattr(closing, "SPLICE_FIN_WAIT_S", 3.0)
+        monkeypatch.setattr(departures, "SPLICE_FIN_WAIT_S", 3.0)
     # The first check comes one PEER_CHECK_S after relay stops reading the client.
     monkeypatch.setattr(timers, "PEER_CHECK_S", 0.25)
     received = bytearray()
@@ -179,7 +179,7 @@ async def test_the_upstream_gets_everything_sent_before_the_client_fin(
                 last = now
                 received.extend(chunk)
                 if fin_sent.is_set() and slow_until == float("inf"):
-                    slow_until = now + 2 * closing.SPLICE_FIN_WAIT_S
+                    slow_until = now + 2 * departures.SPLICE_FIN_WAIT_S
                 if slow:
                     await asyncio.sleep(0.05)
         except (TimeoutError, ConnectionError):
