@@ -50,7 +50,7 @@ OWNERS = [
     ("relay/forward.py, response.py", re.compile(r"relay/(forward|response)\.py")),
     ("relay/server.py", re.compile(r"relay/server\.py")),
     ("relay/upstreams.py", re.compile(r"relay/upstreams\.py")),
-    ("relay/runtime.py", re.compile(r"relay/runtime\.py")),
+    ("relay/runtime.py, hub.py, inflight.py", re.compile(r"relay/(runtime|hub|inflight)\.py")),
 ]
 LEAF_KINDS = [
     ("syscall", re.compile(r"\(libc\.so")),

@@ -17,7 +17,7 @@ from tests.support.harness import DOMAIN, route, running_relay
 
 
 class InFlight:
-    """Stands for an exchange in the live index (relay.runtime.Live)."""
+    """Stands for an exchange in the live index (relay.inflight.Live)."""
 
     decision: Decision | None = None
 
@@ -100,7 +100,7 @@ async def test_clock_and_count_dependent_decisions_are_not_remembered(
 
         limited = head(b"/", f"8080-lim.{DOMAIN}".encode())
         assert isinstance(relay.decide(limited), Forward)
-        relay.live["lim"] = {InFlight()}  # one exchange in flight (relay.runtime.Inflight)
+        relay.live["lim"] = {InFlight()}  # one exchange in flight (relay.inflight.Inflight)
         assert relay.inflight.get("lim") == 1
         refused = relay.decide(limited)
         assert isinstance(refused, Reject)
