@@ -29,7 +29,8 @@ from relay.lifecycle import admin_socket
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
-    from relay.workers import Supervisor, Worker
+    from relay.worker_processes import Worker
+    from relay.workers import Supervisor
 
 ADMIN_QUERY_TIMEOUT_S = 1.0  # the supervisor's wait for one worker's admin answer
 Handler = Callable[[web.Request], Awaitable[web.Response]]

@@ -10,7 +10,7 @@ The supervisor owns what there must be one of:
 - **systemd**: it is the main process (``NotifyAccess=main``). Workers speak sd_notify to the
   supervisor's own datagram socket (sender identified by ``SCM_CREDENTIALS``); ``READY=1``
   goes to systemd once every worker has said ``READY=1``. Workers also ping a watchdog there;
-  a worker silent for :data:`WORKER_WATCHDOG_S` is killed and restarted.
+  a worker silent for :data:`relay.worker_processes.WORKER_WATCHDOG_S` is killed and restarted.
 - **signals**: SIGTERM/SIGINT are forwarded to every worker (each drains for up to
   ``process.drain_timeout_s``; stragglers are killed a little after that), SIGHUP too (each
   worker reloads).
@@ -25,44 +25,39 @@ The supervisor owns what there must be one of:
   :func:`relay.supervision.restart_delay` (exponential backoff, reset once a worker has run
   for ``STABLE_S``). A worker that dies before all workers were first ready stops the whole
   relay instead (exit 2 for a configuration error, else 1): a broken start would only loop.
+
+This module has the supervisor's run from start to exit (the run directory, the ports
+claimed, the admin app, the stop signals and the drain) and its entry point,
+:func:`supervise`. :class:`Supervisor` gets the rest from two bases:
+:mod:`relay.worker_notify` (sd_notify from the workers and to systemd, SIGHUP's reload round)
+and below it :mod:`relay.worker_processes` (starting, reaping, restarting, signalling and
+killing workers).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import os
 import shutil
 import signal
 import socket
-import struct
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from relay import admin, metrics, sharedcount, systemd
+from relay import admin, sharedcount, systemd
 from relay.addresses import split_address
 from relay.config import Config
-from relay.config_parse import load
 from relay.lifecycle import WORKER_FORCE_SIGNAL, admin_socket
 from relay.startup import binding
-from relay.supervision import (
-    NOTIFY_SOCKET,
-    next_failures,
-    parse_notification,
-    preflight,
-    restart_delay,
-    startup_exit_code,
-    worker_env,
-)
+from relay.supervision import NOTIFY_SOCKET, preflight
 from relay.systemd import Notifier
+from relay.worker_notify import Notifications
+from relay.worker_processes import Worker
 
 log = logging.getLogger("relay.workers")
 # sun_path holds 108 bytes on Linux, the last a NUL: a longer socket path cannot be bound.
@@ -89,39 +84,10 @@ def _run_dir(base: str | None, workers: int) -> Path:
     return short
 
 
-WORKER_WATCHDOG_S = 30.0  # a ready worker that has not pinged for this long is killed
 KILL_GRACE_S = 5.0  # after drain_timeout_s, before stragglers get SIGKILL
-# After a SIGHUP, READY=1 goes to systemd once every worker has reloaded (said READY=1 again),
-# or after this long with a warning: a worker's reload is a few file reads, and one that never
-# answers is the watchdog's to kill, not a reason to leave the unit "reloading" for ever.
-RELOAD_WAIT_S = 30.0
-_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-# -- the supervisor ---------------------------------------------------------------------------
-@dataclass
-class Worker:
-    index: int
-    proc: asyncio.subprocess.Process | None = None
-    started_at: float = 0.0
-    ready: bool = False
-    last_ping: float = 0.0
-    failures: int = 0
-    restarts: int = 0
-    status: str = ""
-    reload_pending: bool = False  # a SIGHUP came before it was ready: sent once it is
-    reloading: bool = False  # sent SIGHUP; READY=1 from it means the reload is done
-    served: bool = False  # said READY=1 since it was started: it may hold exchanges
-    waiter: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int | None:
-        if self.proc is None or self.proc.returncode is not None:
-            return None
-        return self.proc.pid
-
-
-class Supervisor:
+class Supervisor(Notifications):
     def __init__(self, config: Config, log_level: str) -> None:
         self.config = config
         self.log_level = log_level
@@ -230,169 +196,6 @@ class Supervisor:
         self.notifier.close()
         log.info("supervisor stopped")
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    # -- workers ----------------------------------------------------------------------------
-    async def _start_worker(self, worker: Worker) -> None:
-        assert self.config.source is not None
-        env = worker_env(os.environ, worker.index, self.run_dir, WORKER_WATCHDOG_S / 2, os.getpid())
-        worker.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "relay",
-            "serve",
-            "--config",
-            str(self.config.source),
-            "--log-level",
-            self.log_level,
-            env=env,
-            stdin=asyncio.subprocess.DEVNULL,
-        )
-        worker.started_at = worker.last_ping = time.monotonic()
-        worker.ready = worker.served = False
-        worker.status = "starting"
-        log.info("worker %d started: pid %d", worker.index, worker.proc.pid)
-        worker.waiter = self._spawn(self._wait_worker(worker, worker.proc))
-
-    async def _wait_worker(self, worker: Worker, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        try:
-            metrics.retire(self.run_dir / "metrics", proc.pid)
-        except OSError as exc:  # a full or read-only run directory: its counts are lost
-            log.warning("cannot keep the metrics of worker %d: %s", worker.index, exc)
-        try:
-            if self.inflight is not None:
-                # What it had in flight ended with it (a SIGKILL ran no unregister): its siblings
-                # must not keep counting it against max_connections. Its replacement zeroes
-                # the column too, when it starts.
-                sharedcount.zero_column(self.inflight, worker.index)
-        except OSError as exc:
-            log.warning("cannot clear the in-flight counts of worker %d: %s", worker.index, exc)
-        ran_for = time.monotonic() - worker.started_at
-        worker.ready = False
-        # A SIGHUP it had not applied: its replacement gets one once ready (it starts with
-        # what its siblings saved, which may be from before their reload). systemd is not
-        # kept waiting for a worker that is not running (_reloaded).
-        missed = worker.reloading or worker.reload_pending
-        worker.reloading = worker.reload_pending = False
-        if missed:
-            self._reloaded()
-        if self.draining or self.stop.is_set():
-            # One that never said READY=1 (a stop during its start: our SIGTERM may come before
-            # it holds signals) had nothing to drain.
-            if code == 0 or not worker.served:
-                log.info("worker %d (pid %d) exited: %s", worker.index, proc.pid, code)
-            else:
-                self.drain_failed = True
-                log.error(
-                    "worker %d (pid %d) died during the drain: exit %s",
-                    worker.index,
-                    proc.pid,
-                    code,
-                )
-            return
-        log.error("worker %d (pid %d) died: exit %s", worker.index, proc.pid, code)
-        if not self.all_ready.is_set():
-            self.startup_failed = startup_exit_code(code)
-            self.stop.set()
-            return
-        worker.failures = next_failures(worker.failures, ran_for)
-        worker.reload_pending = worker.reload_pending or missed
-        while True:
-            delay = restart_delay(worker.failures)
-            log.info("restarting worker %d in %.1fs", worker.index, delay)
-            await asyncio.sleep(delay)
-            if self.draining or self.stop.is_set():
-                return
-            try:
-                await self._start_worker(worker)
-            except OSError as exc:
-                # fork or exec failed (EAGAIN under TasksMax, ENOMEM, EMFILE: what workers die
-                # of too): tried again with the backoff, not left one worker short for good
-                # without a word (found by review).
-                log.error("worker %d could not be started: %s", worker.index, exc)
-                worker.failures += 1
-                continue
-            worker.restarts += 1
-            return
-
-    def _signal_all(self, sig: signal.Signals) -> None:
-        for worker in self.workers:
-            self._signal(worker, sig)
-
-    @staticmethod
-    def _signal(worker: Worker, sig: signal.Signals) -> None:
-        if worker.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, sig)
-
-    async def _monitor(self) -> None:
-        """Kill a ready worker whose event loop stopped pinging (its restart follows)."""
-        while True:
-            await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for worker in self.workers:
-                pid = worker.pid
-                if pid is not None and worker.ready and now - worker.last_ping > WORKER_WATCHDOG_S:
-                    log.error("worker %d (pid %d) stopped answering: killing it", worker.index, pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-
-    # -- notifications from workers ------------------------------------------------------
-    def _open_notify_socket(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        sock.bind(str(self.run_dir / NOTIFY_SOCKET))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        sock.setblocking(False)
-        self._sock = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._on_notify)
-
-    def _on_notify(self) -> None:
-        assert self._sock is not None
-        while True:
-            try:
-                data, ancdata, _flags, _addr = self._sock.recvmsg(
-                    4096, socket.CMSG_SPACE(_CREDENTIALS.size)
-                )
-            except (BlockingIOError, InterruptedError):
-                return
-            pid = None
-            for level, kind, cdata in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = _CREDENTIALS.unpack(cdata[: _CREDENTIALS.size])[0]
-            worker = next((w for w in self.workers if w.pid is not None and w.pid == pid), None)
-            if worker is not None:
-                self._worker_says(worker, parse_notification(data))
-
-    def _worker_says(self, worker: Worker, fields: dict[str, str]) -> None:
-        worker.last_ping = time.monotonic()
-        if "STATUS" in fields:
-            worker.status = fields["STATUS"]
-        ready = fields.get("READY") == "1"
-        if ready and worker.ready and worker.reloading:
-            worker.reloading = False
-            self._reloaded()
-        elif ready and not worker.ready:
-            worker.ready = worker.served = True
-            log.info("worker %d (pid %s) ready", worker.index, worker.pid)
-            if worker.reload_pending:
-                worker.reload_pending = False
-                worker.reloading = True
-                self._signal(worker, signal.SIGHUP)
-            if all(w.ready for w in self.workers) and not self.all_ready.is_set():
-                self.all_ready.set()
-            self.notifier.status(self._status())
-        if fields.get("STOPPING") == "1":
-            worker.ready = False
-
-    def _status(self) -> str:
-        ready = sum(1 for w in self.workers if w.ready)
-        return f"{ready}/{len(self.workers)} workers ready"
-
     # -- signals ----------------------------------------------------------------------------
     def _on_stop_signal(self, sig: signal.Signals) -> None:
         if self.stop.is_set():
@@ -401,77 +204,6 @@ class Supervisor:
             self._signal_all(WORKER_FORCE_SIGNAL)
         self.draining = True
         self.stop.set()
-
-    def _on_reload_signal(self) -> None:
-        if self.draining:
-            log.info("SIGHUP ignored: relay is draining")
-            return
-        log.info("reload requested: forwarding SIGHUP to the workers")
-        # systemd hears of a reload only once it has heard READY=1 and until STOPPING=1: a
-        # SIGHUP during start-up is applied, but not announced or waited for (one during a
-        # drain is ignored, above).
-        announce = self.all_ready.is_set() and not self.stop.is_set()
-        if announce:
-            self.notifier.reloading()
-        self._reload_own_settings()
-        for worker in self.workers:
-            if worker.ready:
-                worker.reloading = True
-                self._signal(worker, signal.SIGHUP)
-            else:
-                # A worker still starting has not installed its handler yet: SIGHUP's default
-                # action would kill it. It gets the signal once it says READY; so does one
-                # waiting to be restarted, which starts with what its siblings run.
-                worker.reload_pending = True
-        if not announce:
-            return
-        if self._reload_wait is not None:
-            self._reload_wait.cancel()
-        loop = asyncio.get_running_loop()
-        self._reload_wait = loop.call_later(RELOAD_WAIT_S, self._reloaded, True)
-        self._reloaded()
-
-    def _reloaded(self, timed_out: bool = False) -> None:
-        """READY=1 to systemd once no worker is still reloading (RELOADING=1 went at SIGHUP).
-
-        A worker that is not running (it died meanwhile, or waits to be restarted) is not
-        waited for: its replacement reloads once it is ready. (Two SIGHUPs in a row may be
-        coalesced by a worker into one reload; the first READY=1 then ends the wait for both.)"""
-        if self._reload_wait is None:
-            return
-        stopping = self.stop.is_set()  # STOPPING=1 ends the reload for systemd: no READY=1
-        busy = [w for w in self.workers if (w.reloading or w.reload_pending) and w.pid is not None]
-        if busy and not (timed_out or stopping):
-            return
-        self._reload_wait.cancel()
-        self._reload_wait = None
-        if stopping:
-            return
-        if busy:
-            log.warning(
-                "reload: %d worker(s) did not report within %.0fs", len(busy), RELOAD_WAIT_S
-            )
-        self.notifier.ready(self._status())
-
-    def _reload_own_settings(self) -> None:
-        """The one reloadable setting the supervisor uses itself: how long a drain may take
-        before stragglers are killed (``process.drain_timeout_s``, reloadable per SPEC §7).
-        A file that does not load leaves it unchanged; the workers report why."""
-        if self.config.source is None:
-            return
-        try:
-            new = load(self.config.source)
-        except Exception as exc:  # whatever the file holds, SIGHUP is still forwarded
-            log.warning("reload: process.drain_timeout_s unchanged: %s", exc)
-            return
-        drain = new.process.drain_timeout_s
-        process = dataclasses.replace(self.config.process, drain_timeout_s=drain)
-        self.config = dataclasses.replace(self.config, process=process)
-
-    async def _watchdog(self, interval_s: float) -> None:
-        while True:
-            self.notifier.watchdog()
-            await asyncio.sleep(interval_s)
 
     # -- admin ------------------------------------------------------------------------------
     async def _start_admin(self) -> None:

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from relay import metrics, workers
+from relay import metrics, worker_notify, worker_processes
 from relay.config import ConfigError
 from relay.config_parse import load, parse
 from relay.supervision import (
@@ -398,7 +398,7 @@ async def test_a_reload_that_a_worker_never_finishes_ends_after_a_while(
 ) -> None:
     notes: list[str] = []
     supervisor = _supervisor(tmp_path, monkeypatch, notes)
-    monkeypatch.setattr(workers, "RELOAD_WAIT_S", 0.05)
+    monkeypatch.setattr(worker_notify, "RELOAD_WAIT_S", 0.05)
     supervisor._on_reload_signal()
     supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
     await asyncio.sleep(0.2)
@@ -421,7 +421,7 @@ async def test_a_worker_that_dies_while_reloading_counts_as_reloaded(
     supervisor._worker_says(supervisor.workers[0], {"READY": "1"})
     restarted: list[int] = []
 
-    async def restart(worker: workers.Worker) -> None:
+    async def restart(worker: worker_processes.Worker) -> None:
         restarted.append(worker.index)  # not a real process in this test
 
     monkeypatch.setattr(supervisor, "_start_worker", restart)
@@ -441,7 +441,7 @@ async def test_a_sighup_during_start_up_is_applied_but_not_announced(
     supervisor = _supervisor(tmp_path, monkeypatch, notes)
     supervisor.all_ready.clear()
     supervisor.workers[1].ready = False  # still starting
-    monkeypatch.setattr(workers, "RELOAD_WAIT_S", 0.05)
+    monkeypatch.setattr(worker_notify, "RELOAD_WAIT_S", 0.05)
     supervisor._on_reload_signal()
     assert supervisor.workers[0].reloading
     assert supervisor.workers[1].reload_pending
@@ -457,7 +457,7 @@ async def test_a_stop_during_a_reload_sends_no_ready_after_stopping(
     the drain, sent READY=1 after STOPPING=1."""
     notes: list[str] = []
     supervisor = _supervisor(tmp_path, monkeypatch, notes)
-    monkeypatch.setattr(workers, "RELOAD_WAIT_S", 0.05)
+    monkeypatch.setattr(worker_notify, "RELOAD_WAIT_S", 0.05)
     supervisor._on_reload_signal()
     supervisor._on_stop_signal(signal.SIGTERM)
     supervisor.notifier.stopping("draining workers")
@@ -705,7 +705,7 @@ async def test_a_worker_whose_restart_fails_is_tried_again(
     path.write_text("[process]\nworkers = 2\n")
     supervisor = Supervisor(load(path), "info")
     supervisor.all_ready.set()
-    monkeypatch.setattr(workers, "restart_delay", lambda failures: 0.01)
+    monkeypatch.setattr(worker_processes, "restart_delay", lambda failures: 0.01)
     attempts: list[int] = []
 
     async def spawn(*args: object, **kwargs: object) -> _Spawned:
