@@ -119,7 +119,7 @@ class Respond(Answer):
 
     def _end_stream_after_fin(self) -> None:
         """The half-closed client's response is still a stream after its head's read: the
-        client is taken as gone (closing.Closing.eof_received), and the exchange ends. Not
+        client is taken as gone (departures.Departures.eof_received), and the exchange ends. Not
         while the rest of that read waits to be fed (a flood of tiny chunks, relay.forward's
         _flood_continue, scheduled after this check): the check follows it (found by review:
         a whole answer of tiny chunks in one read was cut after its first slice)."""
