@@ -150,7 +150,8 @@ def build(access_log: bool) -> Any:
     from relay.config_parse import parse
     from relay.core.routes import parse_routes
     from relay.runtime import Relay
-    from relay.upstreams import PoolKey, UpstreamConnection
+    from relay.upstream_conn import UpstreamConnection
+    from relay.upstreams import PoolKey
 
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     cli._setup_logging("INFO" if access_log else "WARNING")

@@ -49,7 +49,10 @@ OWNERS = [
     ("relay/core (decide, headers, answers)", re.compile(r"relay/core/")),
     ("relay/forward.py, response.py", re.compile(r"relay/(forward|response)\.py")),
     ("relay/server.py", re.compile(r"relay/server\.py")),
-    ("relay/upstreams.py", re.compile(r"relay/upstreams\.py")),
+    (
+        "relay/upstreams.py, upstream_conn.py, dial.py",
+        re.compile(r"relay/(upstreams|upstream_conn|dial)\.py"),
+    ),
     ("relay/runtime.py, hub.py, inflight.py", re.compile(r"relay/(runtime|hub|inflight)\.py")),
 ]
 LEAF_KINDS = [

@@ -116,7 +116,7 @@ class FakeUpstream:
         self.fields: list[tuple[bytes, bytes]] = []
         self.url = b""
         self.parser = httptools.HttpRequestParser(self)
-        self.reader: Any = None  # relay's ResponseReader for this connection, as upstreams.py
+        self.reader: Any = None  # relay's ResponseReader for this connection, as upstream_conn.py
 
     def drop_reader(self) -> None:
         reader, self.reader = self.reader, None
@@ -146,7 +146,7 @@ class FakeUpstream:
     def resume_reading(self) -> None:
         self.reading = True
 
-    # what the loop calls, as on UpstreamConnection (relay.upstreams)
+    # what the loop calls, as on UpstreamConnection (relay.upstream_conn)
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return

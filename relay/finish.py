@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from relay.core.streams import EnvelopeTracker
     from relay.flow import Client
     from relay.response import ResponseReader
-    from relay.upstreams import UpstreamConnection
+    from relay.upstream_conn import UpstreamConnection
 
 
 class State(enum.Enum):

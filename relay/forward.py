@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING
 from relay.answer import DISCARD_LIMIT
 from relay.core import failures
 from relay.core.model import Forward, Framing, Kind, Reject, RequestHead
+from relay.dial import DESCRIPTORS, DialError
 from relay.finish import ANSWERED, CHUNKED, DONE, STREAMING, UPGRADED, State
 from relay.flow import PAUSE_DIAL, PAUSE_UPSTREAM_FULL
 from relay.respond import CRLF, LAST_CHUNK, Respond
 from relay.response import ResponseReader
-from relay.upstreams import DESCRIPTORS, DialError, PoolKey, UpstreamConnection
+from relay.upstream_conn import UpstreamConnection
+from relay.upstreams import PoolKey
 from relay.websocket import Splice
 
 if TYPE_CHECKING:

@@ -30,7 +30,8 @@ from relay.response_events import RESPONSE_HEAD_LIMIT, AfterResponse, ResponseCa
 
 if TYPE_CHECKING:
     from relay.response_events import Events
-    from relay.upstreams import Pool, UpstreamConnection
+    from relay.upstream_conn import UpstreamConnection
+    from relay.upstreams import Pool
 
 
 def _out_of_turn(after: bytes) -> bool:

@@ -27,7 +27,8 @@ from relay.heads import KnownResponse
 
 if TYPE_CHECKING:
     from relay.core.model import Headers
-    from relay.upstreams import Pool, UpstreamConnection
+    from relay.upstream_conn import UpstreamConnection
+    from relay.upstreams import Pool
 
 # llhttp has no limit on a response head or trailer section: relay's own, for upstreams (a
 # guest is not trusted to be reasonable). Generous, as a guest's app may set many cookies.

@@ -35,7 +35,7 @@ from relay.server import ClientConnection
 from relay.sharedcount import FILE_NAME, SharedCounts
 from relay.startup import binding, check_parsers
 from relay.tls import ReloadableContext
-from relay.upstreams import keep_alive_probes
+from relay.upstream_conn import keep_alive_probes
 
 log = logging.getLogger("relay")
 

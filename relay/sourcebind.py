@@ -34,7 +34,7 @@ _P = TypeVar("_P", bound=asyncio.BaseProtocol)
 
 
 class BindError(OSError):
-    """The bind to the source address failed (``relay.upstreams.shortage`` tells it from a
+    """The bind to the source address failed (``relay.dial.shortage`` tells it from a
     connect's error: EADDRNOTAVAIL at the bind means the address left the host, at connect
     that no port of it is left towards the destination)."""
 

@@ -1,9 +1,11 @@
-"""Upstream connections: a raw asyncio protocol per TCP connection, pooled per destination.
+"""Upstream pools: idle keep-alive connections per destination, and the dial of a new one.
 
-relay does not use an HTTP client library upstream. A pooled raw connection, with the request
-head written once and the response framed by llhttp (``httptools``), costs a fraction of the
-CPU of ``aiohttp.ClientSession`` per request (see ``bench/README.md``); the exchange that owns a
+relay does not use an HTTP client library upstream. A pooled raw connection
+(:class:`relay.upstream_conn.UpstreamConnection`), with the request head written once and the
+response framed by llhttp (``httptools``), costs a fraction of the CPU of
+``aiohttp.ClientSession`` per request (see ``bench/README.md``); the exchange that owns a
 connection (``relay.forward``, reading responses with ``relay.response``) does the HTTP work.
+What a dial retries and what its failure means is ``relay.dial``'s.
 
 Pools are keyed by (sandbox id, generation, address, port) as E2B's orchestrator proxy keys
 them by sandbox lifecycle id: a guest address reused by another sandbox, or by a new execution
@@ -13,283 +15,42 @@ of the same one, never inherits a connection of the old one (SPEC §4).
 from __future__ import annotations
 
 import asyncio
-import errno
 import heapq
 import logging
 import resource
-import socket
 import time
 from collections.abc import Callable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING
 
 from relay.addresses import authority, family_mismatch
 from relay.closing import unsent
 from relay.core.model import PoolKey
+from relay.dial import (
+    DESCRIPTORS,
+    EXHAUSTED_LOG_S,
+    PORTS,
+    RETRY_DELAYS_S,
+    SOURCE_PORTS,
+    DialError,
+    shortage,
+)
 from relay.outbox import Outbox
 from relay.sourcebind import BindError, dial_from
 from relay.timers import CLOSE_GRACE_S
+from relay.upstream_conn import UpstreamConnection
 
 if TYPE_CHECKING:
-    from relay.response import ResponseReader
+    from relay.dial import DialObserver
 
-__all__ = ["DialError", "Pool", "PoolKey", "UpstreamConnection"]
+__all__ = ["Pool", "PoolKey"]
 
 log = logging.getLogger("relay.upstream")
-
-# SPEC §4 / E2B's SandboxProxyRetries: envd's port forwarding can lag the route by up to 1 s.
-RETRY_DELAYS_S = (0.1, 0.2, 0.3, 0.4)
-
-# TCP keepalive on every connection relay holds, both sides: probes after 15 s of silence, every
-# 15 s, 9 unanswered ones end it (Go's net defaults, so E2B's proxy and envd's own listener do
-# the same). SPEC §4 sets no read timeout on an established exchange (commands run for hours),
-# so a peer that vanished without a FIN or RST (a guest or a laptop gone, a NAT entry dropped)
-# would otherwise hold its exchange, its upstream connection and its sandbox's in-flight slot
-# until something is written to it. Probed, it is ended after ~150 s.
-KEEPALIVE_OPTIONS = (
-    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 15),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 15),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 9),
-)
-
-
-# A socket relay could not make for want of its own resources, not the upstream's: its
-# descriptor limit (EMFILE, RLIMIT_NOFILE), the system's (ENFILE), kernel memory. Answered 503
-# (relay.core.failures.unreachable), and logged at most once per EXHAUSTED_LOG_S: at the limit
-# every request fails so, hundreds of lines a second.
-EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-EXHAUSTED_LOG_S = 10.0
-
-# What a dial ran short of when it failed for want of relay's own resources (DialError.shortage).
-DESCRIPTORS = "descriptors"  # EXHAUSTED
-PORTS = "ports"  # no local port left towards this address and port: connect's EADDRNOTAVAIL
-SOURCE_PORTS = "source ports"  # none of source_address's left towards it: connect's EADDRNOTAVAIL
-SOURCE_GONE = "source address"  # bind(source_address): EADDRNOTAVAIL, no interface has it
-
-
-def shortage(code: int | None, source: str | None, *, at_bind: bool = False) -> str | None:
-    """What relay ran short of, from a failed dial's errno, or None when the failure says
-    something about the upstream (refused, unreachable) or the route (a family mismatch).
-
-    A local port or address is relay's host's, not the guest's: nothing was sent to the
-    guest, so "port is not open" (502) blamed it wrongly, as for EMFILE. Connect picks a
-    port free towards this destination alone, with a source address too (relay.sourcebind
-    binds it with IP_BIND_ADDRESS_NO_PORT), and fails with EADDRNOTAVAIL when none is
-    (checked in a network namespace with a 4-port range). ``at_bind``: the bind to the source
-    address failed (relay.sourcebind.BindError): EADDRNOTAVAIL there means no interface has
-    the address; EADDRINUSE, that a kernel without IP_BIND_ADDRESS_NO_PORT (before Linux 4.2)
-    found no port of it free towards every destination (TIME_WAIT included).
-
-    =============  ===========  ============  ============
-    errno          no source    source: bind  connect
-    =============  ===========  ============  ============
-    EMFILE, ...    DESCRIPTORS  DESCRIPTORS   DESCRIPTORS
-    EADDRNOTAVAIL  PORTS        SOURCE_GONE   SOURCE_PORTS
-    EADDRINUSE     None         SOURCE_PORTS  None
-    =============  ===========  ============  ============
-    """
-    if code in EXHAUSTED:
-        return DESCRIPTORS
-    if not source:
-        return PORTS if code == errno.EADDRNOTAVAIL else None
-    if at_bind and code == errno.EADDRNOTAVAIL:
-        return SOURCE_GONE
-    if at_bind and code == errno.EADDRINUSE:
-        return SOURCE_PORTS
-    return SOURCE_PORTS if code == errno.EADDRNOTAVAIL else None
-
-
-def keep_alive_probes(sock: socket.socket) -> None:
-    """Turn on :data:`KEEPALIVE_OPTIONS`. Set on a listening socket, Linux copies them to every
-    connection it accepts (the listener's socket is cloned), so the client side pays nothing
-    per connection; tests/test_listeners.py reads them back from accepted ones."""
-    for level, option, value in KEEPALIVE_OPTIONS:
-        sock.setsockopt(level, option, value)
-
-
-class Owner(Protocol):
-    """What an upstream connection reports to the exchange currently using it."""
-
-    def upstream_data(self, data: bytes) -> None: ...
-    def upstream_eof(self) -> None: ...
-    def upstream_lost(self, exc: Exception | None) -> None: ...
-    def upstream_pause_writing(self) -> None: ...
-    def upstream_resume_writing(self) -> None: ...
-
-
-class DialObserver(Protocol):
-    """Metrics hook (``relay.observe.Observer``): connect time and failures."""
-
-    def dial_done(self, seconds: float) -> None: ...
-    def dial_failed(self, reason: str) -> None: ...
-
-
-class UpstreamConnection(asyncio.Protocol):
-    __slots__ = (
-        "closed",
-        "counted",
-        "idle_since",
-        "key",
-        "owner",
-        "pool",
-        "read_paused",
-        "reader",
-        "transport",
-        "uses",
-        "write_paused",
-    )
-
-    def __init__(self, pool: Pool, key: PoolKey) -> None:
-        self.pool = pool
-        self.key = key
-        self.transport: asyncio.Transport | None = None
-        self.owner: Owner | None = None
-        self.idle_since = 0.0
-        self.closed = False
-        self.counted = False  # in pool.opened: from connection_made to uncount()
-        self.write_paused = False  # the transport's buffer is over its high-water mark
-        self.read_paused = False  # pause_reading() was called last (release undoes it)
-        self.uses = 0
-        # llhttp's reader of this connection's responses, made by its first exchange and
-        # handed from one exchange to the next (relay.forward.Exchange._attach): responses on
-        # a keep-alive connection are one stream of messages, as llhttp sees them.
-        self.reader: ResponseReader | None = None
-
-    # -- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self.transport = cast("asyncio.Transport", transport)
-        transport = self.transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            keep_alive_probes(sock)
-        self.counted = True
-        self.pool.opened += 1
-
-    def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return  # closed with bytes still on their way to it (close): what it sends is dropped
-        if self.owner is not None:
-            self.owner.upstream_data(data)
-        else:
-            self.close()  # an idle connection must not talk: it cannot be reused safely
-
-    def eof_received(self) -> bool:
-        self.pool.outbox.flush()  # uvloop closes the transport on return: held bytes first
-        if self.owner is not None and not self.closed:  # closed: read on only to drop (close)
-            self.owner.upstream_eof()
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.pool.forget(self)
-        self.uncount()
-        owner, self.owner = self.owner, None
-        if owner is not None:
-            owner.upstream_lost(exc)
-        self.drop_reader()
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-        if self.owner is not None:
-            self.owner.upstream_pause_writing()
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        if self.owner is not None:
-            self.owner.upstream_resume_writing()
-
-    def uncount(self) -> None:
-        """Leave ``pool.opened``, once: from ``connection_lost``, or from a dial cancelled
-        after ``connection_made`` (``Pool.connect``), where uvloop never calls it."""
-        if self.counted:
-            self.counted = False
-            self.pool.opened -= 1
-
-    # -- used by exchanges
-    def write(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.pool.outbox.write(self.transport, data)
-
-    def writelines(self, parts: list[bytes]) -> None:
-        assert self.transport is not None
-        self.pool.outbox.writelines(self.transport, parts)
-
-    def pause_reading(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.read_paused = True
-            self.transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.read_paused = False
-            self.transport.resume_reading()
-
-    def close(self) -> None:
-        """Close once what was written has reached the upstream, or it took none of it for
-        ``CLOSE_GRACE_S``.
-
-        ``transport.close()`` waits for the write buffer to drain, for ever if the upstream
-        never reads (uvloop has no close timeout): an app that answered without reading its
-        request, or hangs, would keep the socket and its buffer. So a close with bytes still
-        queued is aborted by the pool's sweep once the upstream took none of them for the grace
-        period. Until then the bytes still go out: a WebSocket's last frames, its Close frame
-        included. They go out before a half-close (a FIN), and relay goes on reading, and
-        dropping, what the upstream sends meanwhile: ``transport.close()`` stops reading, and a
-        socket closed with unread bytes is reset, which discards what the kernel had not sent
-        yet (RFC 9293 §3.6.1; found by review: an app streaming frames to its client lost the
-        client's last frames and its Close frame). The sweep closes it once all of it reached
-        the upstream, or the upstream's own close does.
-        """
-        self.pool.outbox.flush()  # what was written before the close goes out before it
-        transport = self.transport
-        if transport is not None and not self.closed:
-            self.closed = True
-            if unsent(transport):
-                transport.write_eof()  # sent once the buffer is
-                if self.read_paused:
-                    self.read_paused = False
-                    transport.resume_reading()  # to drop what comes, and see its close
-                self.pool.closing_slowly(self)
-            else:
-                transport.close()
-        self.drop_reader()
-
-    def abort(self) -> None:
-        self.pool.outbox.flush()
-        if self.transport is not None:
-            self.closed = True
-            self.transport.abort()
-        self.drop_reader()
-
-    def drop_reader(self) -> None:
-        """No more responses will be read here (closed, or spliced after a 101): break
-        reader ↔ parser, so both are freed by reference counting at once."""
-        reader, self.reader = self.reader, None
-        if reader is not None:
-            reader.parser = None
 
 
 def _made(made: list[UpstreamConnection], conn: UpstreamConnection) -> UpstreamConnection:
     made.append(conn)
     return conn
-
-
-class DialError(Exception):
-    """The upstream could not be reached; ``refused`` when it actively refused; ``shortage``
-    (:func:`shortage`) when relay ran out of its own descriptors, ports or source address."""
-
-    def __init__(self, message: str, *, refused: bool, shortage: str | None = None) -> None:
-        super().__init__(message)
-        self.refused = refused
-        self.shortage = shortage
-
-    @property
-    def exhausted(self) -> bool:
-        """relay's own resources failed it: answered 503 overloaded, not 502 port_closed."""
-        return self.shortage is not None
 
 
 class Pool:

@@ -21,7 +21,7 @@ from relay.flow import PAUSE_UPSTREAM_FULL
 
 if TYPE_CHECKING:
     from relay.flow import Client
-    from relay.upstreams import UpstreamConnection
+    from relay.upstream_conn import UpstreamConnection
 
 
 class Splice:

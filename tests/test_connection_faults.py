@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from relay import upstreams
+from relay.dial import DialError
 from relay.flow import PAUSE_UPSTREAM_FULL
-from relay.upstreams import PoolKey, UpstreamConnection
+from relay.upstream_conn import UpstreamConnection
+from relay.upstreams import PoolKey
 from tests.support.harness import DOMAIN as RELAY_DOMAIN
 from tests.support.harness import route, running_relay
 from tests.support.rawhttp import request
@@ -389,7 +391,7 @@ async def test_an_address_getaddrinfo_cannot_take_is_a_dial_error() -> None:
     Pool.connect, and the exchange stayed DIALING for ever (found by review; such routes are
     now refused, relay.core.routes)."""
     pool = upstreams.Pool(connect_timeout_s=1.0)
-    with pytest.raises(upstreams.DialError):
+    with pytest.raises(DialError):
         await pool.connect(PoolKey("zoned", 0, "fd00::1%\ud800", 8080))
 
 

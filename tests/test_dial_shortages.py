@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from relay.upstreams import DESCRIPTORS, PORTS, SOURCE_GONE, SOURCE_PORTS, shortage
+from relay.dial import DESCRIPTORS, PORTS, SOURCE_GONE, SOURCE_PORTS, shortage
 from tests.support.fake_app import FakeApp
 from tests.support.harness import DOMAIN, route, running_relay
 from tests.support.rawhttp import request

@@ -1,6 +1,6 @@
 """What relay's sockets are set up with, and how its start line names them.
 
-TCP keepalive on both sides of relay (``relay.upstreams.KEEPALIVE_OPTIONS``).
+TCP keepalive on both sides of relay (``relay.upstream_conn.KEEPALIVE_OPTIONS``).
 
 SPEC §4 sets no read timeout on an established exchange, so a peer that vanished without a FIN
 or a reset (a guest gone, a client's laptop asleep, a NAT entry dropped) held its exchange, its
@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from relay.upstreams import KEEPALIVE_OPTIONS
+from relay.upstream_conn import KEEPALIVE_OPTIONS
 from tests.support.harness import DOMAIN, route, running_relay
 from tests.support.rawhttp import Connection, request_bytes
 

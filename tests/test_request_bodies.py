@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from relay import heads
 from relay.forward import Exchange
 from relay.server import ClientConnection
-from relay.upstreams import PoolKey, UpstreamConnection
+from relay.upstream_conn import UpstreamConnection
+from relay.upstreams import PoolKey
 from tests.support.wired import Recorder, make_wired
 from tests.test_heads import HOST, REQUEST, serve
 

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from relay import drain, flow, server
 from relay.answer import DISCARD_LIMIT
-from relay.upstreams import PoolKey, UpstreamConnection
+from relay.upstream_conn import UpstreamConnection
+from relay.upstreams import PoolKey
 from tests.support.wired import DOMAIN, RESPONSE, Recorder, Wired, make_wired
 
 HOST = f"3000-sbx.{DOMAIN}"

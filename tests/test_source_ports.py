@@ -27,8 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from relay.dial import SOURCE_GONE, DialError
 from relay.sourcebind import IP_BIND_ADDRESS_NO_PORT
-from relay.upstreams import SOURCE_GONE, DialError, Pool, PoolKey
+from relay.upstreams import Pool, PoolKey
 from tests.support.harness import scripted_upstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_NAMESPACE = """
 import asyncio, json, socket, subprocess, sys
 import uvloop
-from relay.upstreams import DialError, Pool, PoolKey
+from relay.dial import DialError
+from relay.upstreams import Pool, PoolKey
 
 source = sys.argv[1]
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=5)

@@ -38,7 +38,7 @@ def unreachable(decision: Forward, *, exhausted: bool = False) -> Reject:
     ``exhausted``: relay could not even make the socket (its descriptor limit, EMFILE; the
     system's, ENFILE; kernel memory), or give it a local port or address (no ephemeral port
     left, or ``upstream.source_address`` gone from the host: EADDRNOTAVAIL, EADDRINUSE;
-    ``relay.upstreams.shortage``). Nothing was sent to the upstream: relay is overloaded
+    ``relay.dial.shortage``). Nothing was sent to the upstream: relay is overloaded
     (SPEC §5: 503 with Retry-After, as past ``listen.max_connections``). A 502 "port is not
     open" blamed the guest: SDK 2.63 turns it into SandboxUnreachableException, and the access
     log and ``relay_refusals_total`` said port_closed (found by review, at a lowered

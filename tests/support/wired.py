@@ -17,7 +17,8 @@ from relay.config_parse import parse
 from relay.core.model import Route
 from relay.runtime import Relay
 from relay.server import ClientConnection
-from relay.upstreams import PoolKey, UpstreamConnection
+from relay.upstream_conn import UpstreamConnection
+from relay.upstreams import PoolKey
 
 DOMAIN = "sandbox.test"
 MASKED_DATE = b"Date: <now>"
