@@ -47,7 +47,10 @@ RATE = 200
 OWNERS = [
     ("access log (logging, json, observe.py)", re.compile(r"logging/|json/|relay/observe\.py")),
     ("relay/core (decide, headers, answers)", re.compile(r"relay/core/")),
-    ("relay/forward.py, response.py", re.compile(r"relay/(forward|response)\.py")),
+    (
+        "relay/forward.py, upstream_side.py, response.py",
+        re.compile(r"relay/(forward|upstream_side|response)\.py"),
+    ),
     ("relay/server.py", re.compile(r"relay/server\.py")),
     (
         "relay/upstreams.py, upstream_conn.py, dial.py",

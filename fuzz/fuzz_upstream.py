@@ -462,7 +462,7 @@ def check_client(out: bytes, methods: list[bytes], closed: bool, h: Harness) -> 
             if (
                 final.connect_stream
                 and (their_final is None or not their_final.complete)
-                # A stream no longer followed has its end taken on trust (relay.forward)
+                # A stream no longer followed has its end taken on trust (relay.upstream_side)
                 and (tracker is None or tracker.following)
             ):
                 assert envelopes_end(bytes(final.body)), ("a cut stream without its end", i)

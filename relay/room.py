@@ -11,7 +11,7 @@ relay, on two events:
 * an accept that brings the connections relay holds (clients, TLS handshakes, upstreams)
   to :func:`descriptor_mark` of the soft limit: one integer comparison per accept, and the
   rest only past it (``Relay.admit``, ``TlsAccept``);
-* a dial that failed for want of descriptors (``relay.forward``): the limit was lowered, or
+* a dial that failed for want of descriptors (``relay.upstream_side``): the limit was lowered, or
   something else holds them.
 
 Each event closes up to :data:`SHED_PER_EVENT` idle clients (the longest idle first: those

@@ -319,7 +319,7 @@ async def test_a_whole_answer_of_tiny_chunks_still_reaches_a_half_closed_client(
 ) -> None:
     """A whole chunked answer in one read that is a flood of tiny chunks (more than
     FLOOD_PIECES in its first slice): relay feeds the rest of that read in the loop's next
-    pass (relay.forward, _flood_continue), after the check of a half-closed client's stream,
+    pass (relay.upstream_side, _flood_continue), after the check of a half-closed client's stream,
     which found the answer unfinished and closed the client, though the read held all of it
     (found by review: the rule is that an answer whose end comes in its head's read is
     answered). NDJSON rows written one chunk each, as Node's res.write does."""
