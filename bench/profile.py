@@ -51,7 +51,10 @@ OWNERS = [
         "relay/forward.py, upstream_side.py, response.py",
         re.compile(r"relay/(forward|upstream_side|response)\.py"),
     ),
-    ("relay/server.py", re.compile(r"relay/server\.py")),
+    (
+        "relay/server.py, request_heads.py, pipelining.py",
+        re.compile(r"relay/(server|request_heads|pipelining)\.py"),
+    ),
     (
         "relay/upstreams.py, upstream_conn.py, dial.py",
         re.compile(r"relay/(upstreams|upstream_conn|dial)\.py"),

@@ -65,7 +65,7 @@ class RequestBodies(Departures):
         raise NotImplementedError  # ClientConnection's
 
     def on_message_complete(self) -> None:
-        raise NotImplementedError  # ClientConnection's
+        raise NotImplementedError  # RequestHeads' (relay.request_heads)
 
     def on_body(self, body: bytes) -> None:
         """llhttp's callback: body bytes for the current request, passed on by _deliver."""

@@ -69,7 +69,7 @@ class DecisionMemory:
 
     The shortcut: a timeless decision is also stored on the ``RequestHead`` it was asked for
     (``RequestHead.decided``) with the current epoch, a new one after every ``forget``. A
-    kept-alive connection reuses its head object for a repeated request (``relay.server``),
+    kept-alive connection reuses its head object for a repeated request (``relay.request_heads``),
     and the next ``decide`` for it is then an identity check instead of building and hashing
     a key of the whole head (~0.5 µs for a three-field head, more for an SDK's dozen)."""
 

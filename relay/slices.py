@@ -59,7 +59,7 @@ class Slices(RequestBodies):
     _feeding_rest: bool  # _yielded is running
     _again: bool  # it was called again meanwhile: another rest to feed
     _paused: int  # ClientConnection's: the reasons it is not read (relay.flow)
-    splice: Splice | None  # ClientConnection's
+    splice: Splice | None  # Pipelining's (relay.pipelining)
 
     @property
     def unparsed(self) -> bool:
@@ -67,10 +67,10 @@ class Slices(RequestBodies):
         return bool(self._rest)
 
     def pause(self, reason: int) -> None:
-        raise NotImplementedError  # ClientConnection's
+        raise NotImplementedError  # Pipelining's (relay.pipelining)
 
     def resume(self, reason: int) -> None:
-        raise NotImplementedError  # ClientConnection's
+        raise NotImplementedError  # Pipelining's (relay.pipelining)
 
     def _dense_read(self) -> None:
         """llhttp delivered more than YIELD_EVENTS heads and pieces from the read just fed."""

@@ -51,7 +51,7 @@ async def test_a_repeated_head_is_decided_once_until_the_table_changes(tmp_path:
 async def test_a_head_object_keeps_its_decision_only_while_the_memory_does(
     tmp_path: Path,
 ) -> None:
-    # relay.server reuses a connection's RequestHead for a repeated request, and the decision
+    # relay.request_heads reuses a connection's RequestHead for a repeated request, and the decision
     # rides on that object (RequestHead.decided): it must hold exactly as long as the memory's.
     async with running_relay(tmp_path, [route("mem", envd_token="tok")]) as r:
         relay = r.relay

@@ -360,7 +360,7 @@ def test_no_replay_after_a_request_that_closes(tmp_path: Path) -> None:
 
 
 def test_each_connection_keeps_its_own_peer(tmp_path: Path) -> None:
-    """A connection reuses the head it built for a remembered request (relay/server.py,
+    """A connection reuses the head it built for a remembered request (relay/request_heads.py,
     ``_last``); the head carries the connection's peer, which X-Forwarded-For is made of when
     the peer is a trusted proxy. Two peers sending the same bytes each get their own."""
     wired = make_wired(tmp_path, listen={"trusted_proxies": ["127.0.0.0/8"]})
@@ -464,7 +464,7 @@ def test_requests_on_one_connection_give_what_llhttp_gives(
     tmp_path_factory: pytest.TempPathFactory, reads: list[bytes]
 ) -> None:
     """One client connection sending ``reads`` (the per-connection shortcut, ``_last`` in
-    relay/server.py, included), against llhttp alone."""
+    relay/request_heads.py, included), against llhttp alone."""
     tmp_path = tmp_path_factory.mktemp("r")
     with memo_off():
         reference = serve(tmp_path / "reference", *reads)

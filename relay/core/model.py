@@ -71,7 +71,7 @@ class RequestHead:
     upgrade: bool = False
     # Not part of the value: the decision remembered for this head object, with the memory's
     # epoch it holds for (``relay.decisions``). A kept-alive connection reuses the head of a
-    # repeated request (``relay.server``), which then skips the memory's hashed lookup.
+    # repeated request (``relay.request_heads``), which then skips the memory's hashed lookup.
     decided: tuple[object, Decision] | None = field(default=None, compare=False, repr=False)
 
 
