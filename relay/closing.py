@@ -7,8 +7,9 @@ after the last answer, with a lingering close when the client may still be sendi
 and the end of the exchanges of a client that is gone. Two bases above it hold the rest of how
 a connection ends: relay's own answers (refusals, the header timeout, parse errors, bugs) in
 :mod:`relay.refusals`, and the client's departure (its FIN, a reset seen while relay was not
-reading) in :mod:`relay.departures`. ``relay.server`` keeps the rest: reading requests with
-llhttp, starting exchanges in order, flow control and writes.
+reading) in :mod:`relay.departures`. ``relay.server`` and the bases above these keep the rest:
+reading requests with llhttp (``relay.request_heads``), starting exchanges in order, flow
+control and writes (``relay.pipelining``).
 
 :func:`unsent` counts what a peer has not taken yet (``relay.upstreams`` closes its upstream
 connections with it too).
@@ -107,7 +108,7 @@ class Closing:
     _rest: bytes  # a sliced read's rest, fed in the loop's next turn (relay.slices declares it)
 
     def write(self, data: bytes) -> None:
-        raise NotImplementedError  # ClientConnection.write, through the relay's outbox
+        raise NotImplementedError  # Pipelining.write, through the relay's outbox
 
     if TYPE_CHECKING:
         # What relay.timers calls besides this half's own (its Waiting protocol), from the

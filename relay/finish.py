@@ -43,7 +43,7 @@ class State(enum.Enum):
 
 
 # Module names for the enum members an exchange tests about a dozen times per request (the
-# rest are in relay.forward, where they are used): in
+# rest are in relay.forward and relay.upstream_side, where they are used): in
 # Python 3.11 ``State.DONE`` is an attribute lookup through the Enum metaclass (~65 ns, where a
 # global costs ~5 ns); together about 1 of the 15 µs relay spends per small GET (bench/micro.py).
 STREAMING = State.STREAMING
@@ -103,7 +103,7 @@ class Finish:
     _interim_sent: bool
     _upstream_keepalive: bool
     _dial_task: asyncio.Task[None] | None
-    _flood_waits: bool  # the rest of an upstream read is fed in the next pass (relay.forward)
+    _flood_waits: bool  # the rest of an upstream read is fed in the next pass (relay.upstream_side)
 
     if TYPE_CHECKING:
         # An exchange is registered as in flight (relay.runtime.Live), which a revocation

@@ -157,7 +157,7 @@ class RequestHeads(Pipelining):
 
     def on_message_complete(self) -> None:
         # The next head's bytes count from here (the limit and the 408 of a partial head,
-        # relay.closing): not from its on_message_begin, which comes after data_received has
+        # relay.refusals): not from its on_message_begin, which comes after data_received has
         # counted the read that begins it.
         # The body's last pieces first, while the request is still in progress: one that
         # goes past DISCARD_LIMIT closes with a lingering close (found by review). The test

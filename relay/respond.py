@@ -7,8 +7,8 @@ one upstream read produced coalesced into one write, and the response's end, whi
 the exchange (``relay.finish``). It also cuts an exchange short (revoked, relay stopping, a
 malformed response, a bug): relay's own answer if nothing was written yet (``relay.answer``),
 else a Connect stream gets a well-formed ``unavailable`` end-of-stream envelope and any other
-started body is left visibly truncated. ``relay.forward`` keeps the other half: starting,
-dialling, and the request's bytes.
+started body is left visibly truncated. ``relay.forward`` keeps the request's half (starting,
+the request's bytes), ``relay.upstream_side`` the upstream's (dialling, its reads and loss).
 
 Why a base class and not an object of its own: both halves read and write the same fields on
 every request; one object per request keeps the hot path to plain attribute reads. The fields
@@ -120,7 +120,7 @@ class Respond(Answer):
     def _end_stream_after_fin(self) -> None:
         """The half-closed client's response is still a stream after its head's read: the
         client is taken as gone (departures.Departures.eof_received), and the exchange ends. Not
-        while the rest of that read waits to be fed (a flood of tiny chunks, relay.forward's
+        while the rest of that read waits to be fed (a flood of tiny chunks, relay.upstream_side's
         _flood_continue, scheduled after this check): the check follows it (found by review:
         a whole answer of tiny chunks in one read was cut after its first slice)."""
         if self.state is STREAMING and self.streaming():

@@ -19,8 +19,9 @@ class: llhttp's request callbacks, a head becoming an exchange,
 resumed, the next exchange started) and the hand-over at an upgrade,
 :class:`relay.pipelining.Pipelining`; dense reads fed in slices with turns for the others
 between them, :class:`relay.slices.Slices`; a request body passed on without llhttp once its
-length is known, :class:`relay.bodies.RequestBodies`; and how a connection ends (refusals, the
-lingering close, aborts), :class:`relay.closing.Closing`.
+length is known, :class:`relay.bodies.RequestBodies`; and how a connection ends: the client's
+FIN or reset, :class:`relay.departures.Departures`; relay's refusals, timeouts and parse errors,
+:class:`relay.refusals.Refusals`; the lingering close and aborts, :class:`relay.closing.Closing`.
 """
 
 from __future__ import annotations

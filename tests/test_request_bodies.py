@@ -1,4 +1,4 @@
-"""A Content-Length request body passed on as read, without llhttp (relay/server.py,
+"""A Content-Length request body passed on as read, without llhttp (relay/bodies.py,
 ``_pass_body``): the same bytes, events and closes as when llhttp frames every read.
 
 The property test splits a stream of pipelined requests at random points and serves it twice
