@@ -111,6 +111,15 @@ class Reason(enum.Enum):
     BAD_TARGET_FORM = (400, "bad_target", "The request target must be in origin-form", CLOSE)
     BAD_PATH = (400, "bad_path", "The request path has a forbidden encoding")
     BAD_UPGRADE = (400, "bad_upgrade", "Only WebSocket upgrades are supported", CLOSE)
+    # Plain HTTP to a TLS listener (relay.handshake), answered before any TLS as nginx does
+    # ("400 The plain HTTP request was sent to HTTPS port"), so that a client given http://
+    # reads why rather than "connection reset".
+    PLAIN_HTTP = (
+        400,
+        "plain_http",
+        "The plain HTTP request was sent to the HTTPS port: use https://",
+        CLOSE,
+    )
     BAD_HOST = (400, "bad_host", "Invalid host")
     BAD_ROUTING_HEADER = (400, "bad_routing_header", "Invalid sandbox routing headers")
     REPEATED_FIELD = (

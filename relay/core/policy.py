@@ -136,3 +136,31 @@ _remembered_split = functools.lru_cache(maxsize=2048)(_split_target)
 
 def is_control_path(cleaned: str) -> bool:
     return cleaned in CONTROL_PATHS
+
+
+# -- the first bytes on a TLS listener (relay.handshake) -----------------------------------------
+# The longest method told from its space: registered methods have at most 17 characters
+# (UPDATEREDIRECTREF, IANA's HTTP Method Registry), all capital letters and "-".
+METHOD_MAX = 20
+_METHOD_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ-")
+_CAPITALS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def plain_http_request(first: bytes) -> bool | None:
+    """Whether a TLS listener's first bytes begin a plain HTTP/1.x request line (RFC 9112
+    §3: a method, then a space): True to answer it, False to leave them to the handshake,
+    None when too few have come to tell.
+
+    A TLS client's first byte is 0x16, a handshake record's type (RFC 8446 §5.1; an SSLv2
+    hello's has its high bit set), never a capital letter, so it is told at that byte. Only
+    a method of capitals and "-" counts, not any RFC 9110 token: an SSH banner
+    (``SSH-2.0-…`` then a space) and other protocols keep the handshake's failure, as
+    before, and a client that sends a letter and stops is waited for no longer than the
+    handshake's own timeout, with at most METHOD_MAX + 1 bytes held.
+    """
+    for at, byte in enumerate(first[: METHOD_MAX + 1]):
+        if byte == 0x20:
+            return at > 0
+        if byte not in (_METHOD_CHARS if at else _CAPITALS):
+            return False
+    return None if len(first) <= METHOD_MAX else False

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from relay.core.model import Reason, Reject
 from relay.core.policy import (
     CONTROL_PATHS,
+    METHOD_MAX,
     TARGET_MEMO_BYTES,
     SplitTarget,
     clean_path,
     percent_decode_path,
+    plain_http_request,
     split_target,
 )
 
@@ -120,3 +122,43 @@ def test_control_paths_are_envds_internal_routes() -> None:
         "/fsthaw",
         "/upgrade",
     } == CONTROL_PATHS
+
+
+@pytest.mark.parametrize(
+    ("first", "verdict"),
+    [
+        (b"GET / HTTP/1.1\r\n", True),
+        (b"GET ", True),
+        (b"VERSION-CONTROL /x HTTP/1.1", True),
+        (b"UPDATEREDIRECTREF / HTTP/1.1", True),
+        (b"\x16\x03\x01\x02\x00", False),  # a ClientHello's record header
+        (b"\x16", False),  # told at its first byte
+        (b"\x80\x2e\x01", False),  # an SSLv2-style hello
+        (b"SSH-2.0-OpenSSH_9.6 Ubuntu", False),
+        (b"get / HTTP/1.1", False),
+        (b" GET /", False),
+        (b"-GET /", False),
+        (b"GET\t/", False),
+        (b"", None),
+        (b"G", None),
+        (b"POS", None),
+        (b"A" * METHOD_MAX, None),
+        (b"A" * (METHOD_MAX + 1), False),
+        (b"A" * METHOD_MAX + b" /", True),
+    ],
+)
+def test_plain_http_request_is_told_from_its_method_and_space(
+    first: bytes, verdict: bool | None
+) -> None:
+    assert plain_http_request(first) is verdict
+
+
+@given(st.binary(max_size=64))
+def test_plain_http_request_decides_within_method_max_bytes(first: bytes) -> None:
+    """A client is never waited for past METHOD_MAX + 1 bytes; a verdict, once given, holds
+    whatever follows."""
+    verdict = plain_http_request(first)
+    if len(first) > METHOD_MAX:
+        assert verdict is not None
+    if verdict is not None:
+        assert plain_http_request(first + b"more") is verdict

@@ -1,0 +1,135 @@
+"""The first bytes on the TLS listener (relay.handshake): a plain-HTTP request gets a 400 that
+says why (as nginx answers "The plain HTTP request was sent to HTTPS port"); a TLS client, or
+anything else, goes to the handshake as before."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import ssl
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.certs import Issued, issue
+from tests.support.harness import DOMAIN, running_relay, until
+
+
+def _tls(certs: Issued, **listen: object) -> dict[str, dict[str, object]]:
+    return {"listen": {"tls_cert": str(certs.cert_file), "tls_key": str(certs.key_file), **listen}}
+
+
+def _client_hello() -> bytes:
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(
+        incoming, outgoing, server_hostname=f"49983-sbx.{DOMAIN}"
+    )
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _exchange(port: int, *pieces: bytes, pause: float = 0.0) -> tuple[bytes, float]:
+    """Send ``pieces`` on a raw TCP connection (``pause`` between them), then read to the
+    close: what relay sent (b"" for a reset) and how long after connecting it closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        started = time.monotonic()
+        for piece in pieces:
+            sock.sendall(piece)
+            time.sleep(pause)
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                got += chunk
+        return got, time.monotonic() - started
+
+
+async def test_plain_http_on_the_tls_port_is_answered_400(tmp_path: Path) -> None:
+    """curl http://…:443 and an SDK given http:// for an https:// relay saw "connection reset";
+    now they read why, in SPEC §5's JSON, and the connection closes (it never leaves its
+    handshake: it counts in ``Relay.handshakes`` until then, as any other)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    host = f"49983-sbx.{DOMAIN}"
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\nUser-Agent: curl/8\r\n\r\n".encode()
+    async with running_relay(tmp_path, [], _tls(certs, header_timeout_s=3)) as relay:
+        got, elapsed = await asyncio.to_thread(_exchange, relay.port, request)
+        await until(lambda: not relay.relay.handshakes and not relay.relay.connections)
+        refused = relay.relay.observer.refusals
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 400 Bad Request"
+    assert b"Connection: close" in lines
+    assert b"Content-Type: application/json; charset=utf-8" in lines
+    assert f"Content-Length: {len(body)}".encode() in lines
+    assert json.loads(body) == {
+        "code": 400,
+        "message": "The plain HTTP request was sent to the HTTPS port: use https://",
+    }
+    assert elapsed < 1.0, f"closed {elapsed:.2f} s after the request (not at its answer)"
+    assert refused.get("plain_http") == 1
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(b"POST /files?path=x HTTP/1.1\r\n", id="post"),
+        pytest.param(b"CONNECT 10.0.0.1:50090 HTTP/1.1\r\n", id="connect"),
+        pytest.param(b"OPTIONS * HTTP/1.1\r\n", id="asterisk"),
+    ],
+)
+async def test_any_request_line_gets_the_400(tmp_path: Path, first: bytes) -> None:
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        # A byte at a time: the method is told from its space, however it arrives.
+        got, _ = await asyncio.to_thread(
+            _exchange, relay.port, *(first[i : i + 1] for i in range(12)), first[12:], pause=0.01
+        )
+        await until(lambda: not relay.relay.handshakes)
+    assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(b"SSH-2.0-OpenSSH_9.6 Ubuntu\r\n", id="ssh-banner"),
+        pytest.param(b"get / HTTP/1.1\r\n\r\n", id="lower-case-method"),
+        pytest.param(b"\x00\x01\x02\x03 binary", id="binary"),
+        pytest.param(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ / HTTP/1.1\r\n\r\n", id="method-too-long"),
+        pytest.param(b"\x15\x03\x03\x00\x02\x02\x28", id="tls-alert-record"),
+    ],
+)
+async def test_other_bytes_get_no_http_answer(tmp_path: Path, first: bytes) -> None:
+    """Only what clearly begins an HTTP/1.x request line is answered; the rest goes to the
+    handshake, which fails as it did (closed, no HTTP)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        got, _ = await asyncio.to_thread(_exchange, relay.port, first)
+        await until(lambda: not relay.relay.handshakes)
+    assert not got.startswith(b"HTTP/")
+
+
+async def test_a_partial_method_is_held_no_longer_than_a_silent_client(tmp_path: Path) -> None:
+    """A slowloris that sends one letter is closed at header_timeout_s from accept, the
+    handshake's own limit, with no answer (it never said it speaks HTTP)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs, header_timeout_s=0.5)) as relay:
+        got, elapsed = await asyncio.to_thread(_exchange, relay.port, b"G")
+        await until(lambda: not relay.relay.handshakes)
+    assert got == b""
+    assert 0.4 < elapsed < 1.5, f"closed {elapsed:.2f} s after accept (header_timeout_s=0.5)"
+
+
+async def test_a_client_hello_in_pieces_still_shakes_hands(tmp_path: Path) -> None:
+    """The first byte alone (0x16) sends the connection to the handshake, whatever follows."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    hello = _client_hello()
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as sock:
+            sock.sendall(hello[:1])
+            await asyncio.sleep(0.05)
+            sock.sendall(hello[1:])
+            first = await asyncio.to_thread(sock.recv, 5)
+    assert first[:1] == b"\x16"  # a ServerHello
