@@ -25,15 +25,18 @@ So the listener is plain TCP and :class:`TlsAccept` its protocol. At accept:
 runs here, inside ``connection_made``, not in a task: uvloop starts reading an accepted socket
 as soon as ``connection_made`` returns, and a task's first step runs only after the next poll,
 so a ClientHello sent at once went to this plain protocol and was lost (the handshake then
-timed out; seen in the tests). The TLS protocol keeps bytes that arrive before its own
-``connection_made`` for the handshake. The rest of ``start_tls`` is driven from its waiter's
+timed out; seen in the tests). The rest of ``start_tls`` is driven from its waiter's
 done-callback.
 
-Between the TCP transport and the TLS protocol, :class:`FirstBytes` reads the first bytes:
-a plain HTTP request (a client given ``http://`` for relay's ``https://``) is answered 400,
-as nginx answers "The plain HTTP request was sent to HTTPS port", where the handshake would
-only have failed on it and closed the connection without a word ("connection reset" to
-curl and the SDKs). Every other connection goes to the TLS protocol at its first byte.
+Between the TCP transport and the TLS protocol, :class:`FirstBytes` reads the handshake's
+bytes (and keeps those that come before the TLS protocol's own ``connection_made``):
+
+* a plain HTTP request (a client given ``http://`` for relay's ``https://``) is answered
+  400, as nginx answers "The plain HTTP request was sent to HTTPS port", where the handshake
+  would only have failed on it and closed the connection without a word ("connection reset"
+  to curl and the SDKs). Every other connection goes to the TLS protocol at its first byte;
+* a handshake that fails on the bytes it is fed sends OpenSSL's alert before the close
+  (``relay.tls.AlertingObject``), which asyncio's and uvloop's TLS protocol drop.
 
 When the handshake is done the :class:`~relay.server.ClientConnection` takes the TLS
 transport as if it had been accepted with it. ``start_tls`` never calls ``connection_made``,
@@ -55,6 +58,7 @@ from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject
 from relay.core.policy import plain_http_request
 from relay.server import ClientConnection
+from relay.tls import Feed
 
 if TYPE_CHECKING:
     from relay.runtime import Relay
@@ -65,12 +69,23 @@ _Start = Coroutine[Any, Any, asyncio.Transport | None]
 class TlsAccept(asyncio.Protocol):
     """One accepted TCP connection of a TLS listener, until its handshake is done."""
 
-    __slots__ = ("_accepted", "_early", "_eof", "_lost", "_raw", "_start", "conn", "relay")
+    __slots__ = (
+        "_accepted",
+        "_early",
+        "_eof",
+        "_first",
+        "_lost",
+        "_raw",
+        "_start",
+        "conn",
+        "relay",
+    )
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
         self.conn: ClientConnection | None = None  # set once the TLS transport is handed over
         self._raw: asyncio.Transport | None = None
+        self._first: FirstBytes | None = None  # the TCP transport's protocol in the handshake
         self._start: _Start | None = None
         self._early: list[bytes] = []
         self._eof = False
@@ -113,10 +128,15 @@ class TlsAccept(asyncio.Protocol):
             self._failed()
             return
         waiter.add_done_callback(self._handshaken)
-        # start_tls made its TLS protocol the transport's; the first bytes go through
+        # start_tls made its TLS protocol the transport's; the handshake's bytes go through
         # FirstBytes on their way to it. Reading resumes only after this returns.
         tls = cast("asyncio.BufferedProtocol", raw.get_protocol())
-        raw.set_protocol(FirstBytes(raw, tls, relay))
+        self._first = first = FirstBytes(raw, tls, relay)
+        raw.set_protocol(first)
+        # After the TLS protocol's connection_made, which start_tls scheduled just now
+        # (call_soon runs callbacks in order): bytes fed before it would wait in its BIO and
+        # the handshake run on them from connection_made, where a failure's alert is lost.
+        asyncio.get_running_loop().call_soon(first.started)
 
     def abort(self) -> None:
         """Relay stops: the handshake ends, and so does the connection."""
@@ -153,6 +173,9 @@ class TlsAccept(asyncio.Protocol):
             if self._raw is not None:
                 self._raw.abort()
             return
+        if self._first is not None:
+            self._first.shaken()  # the TLS protocol reads the socket itself from now on
+            self._first = None
         conn = ClientConnection(self.relay, tls=True)
         conn.below = self._raw  # what the TLS layer already encrypted waits there (relay.closing)
         self.conn = conn
@@ -195,68 +218,107 @@ class TlsAccept(asyncio.Protocol):
 
 
 class FirstBytes(asyncio.Protocol):
-    """A TLS listener's TCP transport's protocol until its first bytes are read: a plain
-    HTTP request line is answered 400 (SPEC §5, ``Reason.PLAIN_HTTP``), anything else goes
-    to the TLS protocol, with the bytes read so far, at the first byte that tells.
+    """A TLS listener's TCP transport's protocol during the handshake: its first bytes tell
+    a plain HTTP request line, answered 400 (SPEC §5, ``Reason.PLAIN_HTTP``), from anything
+    else, which goes to the TLS protocol with the bytes read so far at the first byte that
+    tells; then every read is fed to the TLS protocol, so that a failing handshake can send
+    its alert (``relay.tls.AlertingObject``), until ``TlsAccept`` hands the transport over.
 
-    A TLS client costs this object, two ``set_protocol`` calls and one copy of its first read
-    (its ClientHello) into the TLS protocol's buffer, ~2 µs in all (measured: ~1 % of a TLS
-    1.3 handshake's server side with a P-256 key, ~205 µs): uvloop cannot show a protocol
-    a socket's bytes without handing them over. The handshake's timeout (``header_timeout_s``
-    from accept) runs in the TLS protocol from its start, before any byte, so it bounds this
-    wait as well, and the lingering after a 400: the connection stays in ``Relay.handshakes``
-    (counted against ``listen.max_connections``) until the TCP connection is lost, which this
-    protocol always passes on to the TLS protocol (its loss ends ``start_tls``).
+    A TLS client costs this object, two ``set_protocol`` calls and a copy of each read of
+    its handshake (typically two: the ClientHello and the Finished) into the TLS protocol's
+    buffer, ~3.5 µs (measured; AlertingObject's ~1 µs more), against ~205-270 µs for the
+    server side of a TLS 1.3 handshake with a P-256 key: uvloop cannot show a protocol a
+    socket's bytes without handing them over. Once the handshake is done the TLS protocol
+    reads the socket itself, as before.
+    The handshake's timeout (``header_timeout_s`` from accept) runs in the TLS protocol from
+    its start, before any byte, so it bounds this wait as well, and the lingering after a
+    400: the connection stays in ``Relay.handshakes`` (counted against
+    ``listen.max_connections``) until the TCP connection is lost, which this protocol always
+    passes on to the TLS protocol (its loss ends ``start_tls``).
     """
 
-    __slots__ = ("_answered", "_raw", "_relay", "_seen", "_tls")
+    __slots__ = ("_early", "_plain", "_raw", "_relay", "_seen", "_tls")
 
     def __init__(self, raw: asyncio.Transport, tls: asyncio.BufferedProtocol, relay: Relay):
         self._raw = raw
         self._tls = tls
         self._relay = relay
         self._seen = b""
-        self._answered = False
+        self._plain: bool | None = None  # None until the first bytes tell
+        # Bytes read before the TLS protocol started (uvloop reads an accepted socket as
+        # soon as connection_made returns, start_tls's pause notwithstanding); None after.
+        self._early: bytes | None = b""
+
+    def started(self) -> None:
+        """The TLS protocol's connection_made has run: it can take bytes now."""
+        early, self._early = self._early, None
+        if early and not self._raw.is_closing():
+            self._raw.resume_reading()
+            self.data_received(early)
 
     def data_received(self, data: bytes) -> None:
-        if self._answered:
+        if self._early is not None:
+            self._early += data
+            self._raw.pause_reading()  # until started(), in this loop's turn or the next
+            return
+        plain = self._plain
+        if plain is False:
+            self._feed(data)
+            return
+        if plain:
             return  # what follows a refused request is dropped until the client's FIN
         seen = self._seen + data if self._seen else data
-        verdict = plain_http_request(seen)
-        if verdict is None:
+        plain = plain_http_request(seen)
+        if plain is None:
             self._seen = seen  # at most METHOD_MAX bytes
-        elif verdict:
+            return
+        self._plain, self._seen = plain, b""
+        if plain:
             self._answer()
         else:
-            self._to_tls(seen)
+            self._feed(seen)
 
     def eof_received(self) -> bool | None:
-        if self._answered:
+        if self._plain:
             return False  # the answer and its FIN went first: close
-        self._to_tls(self._seen)
+        if self._plain is None:
+            self._plain = False
+            self._feed(self._seen)
         return self._tls.eof_received()  # a handshake's EOF, as before
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._tls.connection_lost(exc)  # wakes start_tls (TlsAccept._handshaken)
 
-    def _to_tls(self, data: bytes) -> None:
-        """The TLS protocol takes the transport, and the bytes it would have read itself."""
+    def pause_writing(self) -> None:
+        self._tls.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._tls.resume_writing()
+
+    def shaken(self) -> None:
+        """The handshake is done: the TLS protocol takes the transport."""
+        if not self._raw.is_closing():
+            self._raw.set_protocol(self._tls)
+
+    def _feed(self, data: bytes) -> None:
+        """Give the TLS protocol the bytes it would have read itself (BufferedProtocol)."""
         raw, tls = self._raw, self._tls
-        raw.set_protocol(tls)
         view = memoryview(data)
-        while view and not raw.is_closing():
-            buffer = memoryview(tls.get_buffer(len(view)))  # a memoryview: typed as Buffer
-            size = min(len(buffer), len(view))
-            buffer[:size] = view[:size]
-            tls.buffer_updated(size)
-            view = view[size:]
+        Feed.send = raw.write  # where a failure's alert goes (relay.tls.AlertingObject)
+        try:
+            while view and not raw.is_closing():
+                buffer = memoryview(tls.get_buffer(len(view)))  # a memoryview: typed as Buffer
+                size = min(len(buffer), len(view))
+                buffer[:size] = view[:size]
+                tls.buffer_updated(size)
+                view = view[size:]
+        finally:
+            Feed.send = None
 
     def _answer(self) -> None:
         """The 400, then a FIN; what the client still sends is read and dropped until its own
         FIN, so that the close sends no reset that could destroy the answer (RFC 9112 §9.6,
         as ClientConnection.close lingers)."""
-        self._answered = True
-        self._seen = b""
         reject = Reject(reason=Reason.PLAIN_HTTP)
         answer = render(reject)
         peer = self._raw.get_extra_info("peername")

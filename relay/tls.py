@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from relay.tlscheck import CertInfo, TLSCheckError, check_pair, read_pair
@@ -46,16 +46,18 @@ def load_checked(
     return info, pem, ctx
 
 
-def server_context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
-    """A server context for one certificate chain and key, given as the bytes that were
-    checked; raises ``ssl.SSLError``/``OSError``.
+def server_context(
+    pem: tuple[bytes, bytes], kind: type[ssl.SSLContext] = ssl.SSLContext
+) -> ssl.SSLContext:
+    """A server context (of ``kind``) for one certificate chain and key, given as the bytes
+    that were checked; raises ``ssl.SSLError``/``OSError``.
 
     ``load_cert_chain`` takes only paths, and reading the files again would load whatever a
     renewal wrote since the check (an unchecked certificate, or a new certificate with the old
     key; found by review). So OpenSSL reads the same bytes from anonymous memory files, which
     never touch a disk (the key is a secret).
     """
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx = kind(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
     fds: list[int] = []
@@ -86,6 +88,67 @@ def _memfd(name: str) -> int:
         if exc.errno != errno.EINVAL:
             raise
         return os.memfd_create(name, os.MFD_CLOEXEC)
+
+
+class Feed:
+    """The transport whose bytes a TLS protocol is being fed, while it is: ``send`` is its
+    ``write``, set by ``relay.handshake.FirstBytes`` around each feed of a handshake's bytes
+    (the TLS protocol runs ``do_handshake`` on them within the feed, synchronously), for
+    :class:`AlertingObject`. A value for the length of one call, not a per-connection map:
+    an ``SSLObject`` has no way to know its transport."""
+
+    send: Callable[[bytes], object] | None = None
+
+
+class AlertingObject(ssl.SSLObject):
+    """A handshake that fails sends OpenSSL's alert (RFC 8446 §6.2: "protocol_version",
+    "handshake_failure", "unexpected_message"...) before the connection closes.
+
+    uvloop's TLS protocol (``SSLProtocol``, 0.23; asyncio's too before CPython gh-98078 was
+    fixed by python/cpython#153620 in 2026) closes the transport at a failed
+    ``do_handshake`` (``_on_handshake_complete`` → ``_fatal_error`` → the TCP transport's
+    ``_force_close``) without sending what OpenSSL wrote to the outgoing ``MemoryBIO``: the
+    alert. That BIO is a private attribute of the Cython class, and by the time ``start_tls``
+    wakes relay the transport drops writes. So the alert is sent from here, at the failure,
+    through ``Feed.send``, before ``SSLProtocol`` closes the transport: a write that nothing
+    waits before goes to the socket at once (uvloop's fast path), so it leaves before the
+    close (a write queued behind a full socket would be lost with the close, as before).
+    Clients then report "tlsv1 alert protocol version" or "handshake failure", as against
+    nginx, rather than "connection reset" or "unexpected EOF".
+    """
+
+    outgoing: ssl.MemoryBIO  # set by ListenerContext.wrap_bio
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise
+        except ssl.SSLError:
+            pending = self.outgoing.read()  # the alert (after anything not yet sent)
+            if pending and Feed.send is not None:
+                Feed.send(pending)
+            raise
+
+
+class ListenerContext(ssl.SSLContext):
+    """The listener's context: its handshakes are :class:`AlertingObject`s (``wrap_bio``
+    and ``sslobject_class`` are the ``ssl`` module's hooks for this)."""
+
+    sslobject_class = AlertingObject
+
+    def wrap_bio(
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        tls = super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+        assert isinstance(tls, AlertingObject)
+        tls.outgoing = outgoing
+        return tls
 
 
 class ReloadableContext:
@@ -125,7 +188,7 @@ class ReloadableContext:
         certificate, and with one listener for the process's life clients resumed sessions
         made under the certificate a reload had just replaced (found by review), and the
         ticket key never rotated. nginx, too, builds new contexts at each reload."""
-        listener = server_context(pem)
+        listener = server_context(pem, ListenerContext)
         listener.sni_callback = self._select
         return listener
 

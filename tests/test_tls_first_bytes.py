@@ -1,6 +1,7 @@
 """The first bytes on the TLS listener (relay.handshake): a plain-HTTP request gets a 400 that
 says why (as nginx answers "The plain HTTP request was sent to HTTPS port"); a TLS client, or
-anything else, goes to the handshake as before."""
+anything else, goes to the handshake as before. A handshake that fails on them sends its
+alert (relay.tls.AlertingObject), read here from a raw socket."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import socket
 import ssl
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -133,3 +135,92 @@ async def test_a_client_hello_in_pieces_still_shakes_hands(tmp_path: Path) -> No
             sock.sendall(hello[1:])
             first = await asyncio.to_thread(sock.recv, 5)
     assert first[:1] == b"\x16"  # a ServerHello
+
+
+# -- a failed handshake ends with OpenSSL's alert (RFC 8446 §6.2), not a bare close -------------
+PROTOCOL_VERSION, HANDSHAKE_FAILURE, UNEXPECTED_MESSAGE = 70, 40, 10  # RFC 8446 §6
+
+
+def _hello_of(ctx: ssl.SSLContext) -> bytes:
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=f"49983-sbx.{DOMAIN}")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _old_client() -> ssl.SSLContext:
+    """A client that offers TLS 1.0 and 1.1 only (relay's minimum is 1.2)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")  # OpenSSL 3 leaves TLS < 1.2 out above level 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # as old clients are
+        ctx.minimum_version = ssl.TLSVersion.TLSv1
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_1
+    return ctx
+
+
+def _rsa_only_client() -> ssl.SSLContext:
+    """A TLS 1.2 client whose only cipher suite needs an RSA certificate (relay's is P-256)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers("ECDHE-RSA-AES128-GCM-SHA256")
+    return ctx
+
+
+def _alerts(got: bytes) -> list[tuple[int, int]]:
+    """The (level, description) of each alert record among the plaintext records in ``got``
+    (RFC 8446 §5.1: type, version, length; an alert is type 21 with two bytes)."""
+    out = []
+    while len(got) >= 5:
+        kind, size = got[0], int.from_bytes(got[3:5], "big")
+        body, got = got[5 : 5 + size], got[5 + size :]
+        if kind == 21 and size == 2:
+            out.append((body[0], body[1]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("client", "description"),
+    [
+        pytest.param(_old_client, PROTOCOL_VERSION, id="tls1.1-only"),
+        pytest.param(_rsa_only_client, HANDSHAKE_FAILURE, id="no-shared-cipher"),
+    ],
+)
+async def test_a_failed_handshake_sends_its_alert(
+    tmp_path: Path, client: type[ssl.SSLContext], description: int
+) -> None:
+    """curl then says "tlsv1 alert protocol version" or "handshake failure" (what nginx's
+    clients see), not "connection reset by peer" / "unexpected eof"."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        got, _ = await asyncio.to_thread(_exchange, relay.port, _hello_of(client()))
+        await until(lambda: not relay.relay.handshakes)
+    assert _alerts(got) == [(2, description)]  # fatal
+
+
+async def test_garbage_after_a_client_hello_gets_an_alert(tmp_path: Path) -> None:
+    """A record the handshake cannot take, sent once relay answered the ClientHello, in a
+    read of its own. TLS 1.2, whose alerts before ChangeCipherSpec are plaintext (TLS 1.3
+    encrypts them once the ServerHello is out: RFC 8446 §5.2)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE
+    client.maximum_version = ssl.TLSVersion.TLSv1_2
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as sock:
+            sock.sendall(_hello_of(client))
+            flight = await asyncio.to_thread(sock.recv, 65536)
+            assert flight[:1] == b"\x16"
+            sock.sendall(b"\x16\x03\x03\x00\x04junk")  # a plaintext handshake record, after
+            got = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await asyncio.to_thread(sock.recv, 65536):
+                    got += chunk
+        await until(lambda: not relay.relay.handshakes)
+    assert _alerts(got) == [(2, UNEXPECTED_MESSAGE)]
