@@ -157,6 +157,7 @@ class TlsAccept(asyncio.Protocol):
 
     def _failed(self) -> None:
         self.relay.handshakes.discard(self)
+        self._first = None  # the transport keeps it as its protocol until its loss
         start, self._start = self._start, None
         if start is not None:
             with contextlib.suppress(Exception):  # RuntimeError if it ignored GeneratorExit
@@ -304,7 +305,7 @@ class FirstBytes(asyncio.Protocol):
         """Give the TLS protocol the bytes it would have read itself (BufferedProtocol)."""
         raw, tls = self._raw, self._tls
         view = memoryview(data)
-        Feed.send = raw.write  # where a failure's alert goes (relay.tls.AlertingObject)
+        outer, Feed.send = Feed.send, raw.write  # a failure's alert goes there (relay.tls)
         try:
             while view and not raw.is_closing():
                 buffer = memoryview(tls.get_buffer(len(view)))  # a memoryview: typed as Buffer
@@ -313,7 +314,7 @@ class FirstBytes(asyncio.Protocol):
                 tls.buffer_updated(size)
                 view = view[size:]
         finally:
-            Feed.send = None
+            Feed.send = outer  # None: no feed runs inside another
 
     def _answer(self) -> None:
         """The 400, then a FIN; what the client still sends is read and dropped until its own

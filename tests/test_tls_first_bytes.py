@@ -74,6 +74,29 @@ async def test_plain_http_on_the_tls_port_is_answered_400(tmp_path: Path) -> Non
     assert refused.get("plain_http") == 1
 
 
+async def test_an_upload_sent_before_reading_still_reads_the_400(tmp_path: Path) -> None:
+    """The client sends its whole body before it reads (most do): relay drops it and closes
+    after the client's FIN, so no reset destroys the answer (RFC 9112 §9.6)."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    body = b"x" * (4 << 20)
+    head = f"POST /files HTTP/1.1\r\nHost: 49983-sbx.{DOMAIN}\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+
+    def upload(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(head.encode() + body)
+            sock.shutdown(socket.SHUT_WR)
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+            return got
+
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        got = await asyncio.to_thread(upload, relay.port)
+        await until(lambda: not relay.relay.handshakes)
+    assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+
+
 @pytest.mark.parametrize(
     "first",
     [
