@@ -275,7 +275,7 @@ class FirstBytes(asyncio.Protocol):
             return
         self._plain, self._seen = plain, b""
         if plain:
-            self._answer()
+            self._answer(head_only=seen.startswith(b"HEAD "))
         else:
             self._feed(seen)
 
@@ -316,14 +316,15 @@ class FirstBytes(asyncio.Protocol):
         finally:
             Feed.send = outer  # None: no feed runs inside another
 
-    def _answer(self) -> None:
-        """The 400, then a FIN; what the client still sends is read and dropped until its own
-        FIN, so that the close sends no reset that could destroy the answer (RFC 9112 §9.6,
-        as ClientConnection.close lingers)."""
+    def _answer(self, *, head_only: bool) -> None:
+        """The 400 (its head only to a HEAD: RFC 9110 §9.3.2), then a FIN; what the client
+        still sends is read and dropped until its own FIN, so that the close sends no reset
+        that could destroy the answer (RFC 9112 §9.6, as ClientConnection.close lingers)."""
         reject = Reject(reason=Reason.PLAIN_HTTP)
         answer = render(reject)
         peer = self._raw.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) else ""
-        self._relay.observer.connection_refused(reject, address, None, len(answer.body))
-        self._raw.write(answer_bytes(answer, close=True, date=http_date()))
+        sent = 0 if head_only else len(answer.body)
+        self._relay.observer.connection_refused(reject, address, None, sent)
+        self._raw.write(answer_bytes(answer, close=True, head_only=head_only, date=http_date()))
         self._raw.write_eof()

@@ -116,6 +116,19 @@ async def test_any_request_line_gets_the_400(tmp_path: Path, first: bytes) -> No
     assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n")
 
 
+async def test_a_head_request_gets_the_400s_head_only(tmp_path: Path) -> None:
+    """RFC 9110 §9.3.2, as relay's other answers: curl -I read the JSON as excess bytes."""
+    certs = issue(tmp_path / "pki", [f"*.{DOMAIN}"])
+    async with running_relay(tmp_path, [], _tls(certs)) as relay:
+        got, _ = await asyncio.to_thread(
+            _exchange, relay.port, f"HEAD / HTTP/1.1\r\nHost: 49983-sbx.{DOMAIN}\r\n\r\n".encode()
+        )
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"Content-Length: 0" not in head  # the GET's length, as RFC 9110 §8.6 allows
+    assert body == b""
+
+
 @pytest.mark.parametrize(
     "first",
     [
