@@ -26,7 +26,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from relay import __version__, accesslog, routes_cli
+from relay import __version__, accesslog, errorlog, routes_cli
 from relay.config import Config, ConfigError
 from relay.config_parse import config_sections, load
 from relay.config_redis import redact_url
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except ConfigError as exc:
         # One write per line: workers share the supervisor's stderr, and print() writes the
-        # text and its newline separately, so two workers' lines could interleave.
-        sys.stderr.write(f"relay: config error: {exc}\n")
+        # text and its newline separately, so two workers' lines could interleave. In relay
+        # serve, through the log's writer thread: after the lines logged before it.
+        errorlog.say(f"relay: config error: {exc}")
         return EXIT_CONFIG
     except BrokenPipeError:
         # ``relay check-config | head -3``: the reader left. Quiet, with the status of a Unix
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter's own flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_SIGPIPE
+    except BaseException:
+        # A bug: Python writes the traceback to stderr itself, after the log lines before it.
+        errorlog.finish()
+        raise
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,11 +137,8 @@ def log_level(name: str) -> str:
 def _setup_logging(level: str) -> None:
     worker = os.environ.get("RELAY_WORKER")  # set by the supervisor (relay.workers)
     tag = f"[worker {worker}] " if worker else ""
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s {tag}%(message)s",
-        stream=sys.stderr,
-    )
+    # Written by a thread of its own, never by the event loop (relay.errorlog).
+    errorlog.install(level.upper(), f"%(asctime)s %(levelname)s %(name)s {tag}%(message)s")
     # Access-log lines are JSON documents of their own, written bare and buffered to stdout
     # (relay.accesslog); a log level above INFO turns them off.
     # With stdout closed (``relay serve >&-``) Python has no sys.stdout: the lines then go
@@ -195,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
             return workers.supervise(config, level)
         uvloop.run(serve(config, saved.tls_files if saved is not None else None))
     except StartupError as exc:
-        sys.stderr.write(f"relay: cannot start: {exc}\n")  # one write: see main()
+        errorlog.say(f"relay: cannot start: {exc}")  # one write: see main()
         return 1
     return 0
 

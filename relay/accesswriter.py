@@ -29,6 +29,8 @@ holds the file's lock for the whole of a write to a regular file, so another wor
 lands before or after it, never inside (``PIPE_BUF`` is a pipe's rule). A flush of 64 KiB in
 4 KiB pieces took ~110 µs here, every ~300 requests of a busy worker; in one write it takes
 ~20 µs (bench/README.md, "A seventh host").
+
+:mod:`relay.errorlog` writes the diagnostic log to standard error with the same writer.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class Writer:
     """The thread that writes one stream's blocks, and the blocks waiting for it.
 
     The loop never waits for the thread nor wakes it: it appends a block to a deque (atomic
-    under the GIL) and the thread looks every :data:`POLL_S`. No count has two writers: the
+    under the GIL) and the thread looks every :data:`POLL_S` (``prompt``, for the few lines
+    of relay.errorlog: each block wakes it). No count has two writers: the
     loop keeps ``queued``, ``accepted`` and ``refused``, the thread ``written``, ``done`` and
     ``lost``; a line accepted is done, lost, or still to write (what a finish that gives up
     counts as dropped).
@@ -67,8 +70,27 @@ class Writer:
     core and the GIL from the loop) 8-25%; polling as here ~0.4%.
     """
 
-    def __init__(self, stream: BinaryIO, limit: int) -> None:
+    def __init__(
+        self,
+        stream: BinaryIO,
+        limit: int,
+        *,
+        name: str = "relay-access-log",
+        what: str = "standard output",
+        prompt: bool = False,
+        direct: bool = False,
+    ) -> None:
         self.stream = stream
+        self.name = name  # the thread's
+        self.what = what  # the stream, as the reasons name it
+        # ``prompt``: each put wakes the thread, for lines that are rare and wanted at once
+        # (relay.errorlog); the access log's flushes do not (see above).
+        self.prompt = prompt
+        # ``direct``: when no thread can be started, the caller writes the blocks itself,
+        # blocking as a write from it did before (relay.errorlog: a diagnostic line is worth
+        # that), rather than keeping them for a thread that may never come.
+        self.direct = direct
+        self.writing = False  # the caller is writing (direct): a put meanwhile only queues
         self.fd = _descriptor(stream)  # -1: a stream without one (tests): its write()
         self.file = self.fd >= 0 and _regular_file(self.fd)
         if self.fd >= 0:
@@ -80,6 +102,7 @@ class Writer:
         self.blocks: deque[tuple[bytes, int]] = deque()  # (bytes, lines), oldest first
         self.thread: threading.Thread | None = None
         self.closing = threading.Event()  # finish(): write what is left, then end
+        self.wake = threading.Event()  # a block or the closing: the thread looks at once
         # The loop's:
         self.queued = 0  # bytes appended to ``blocks``
         self.accepted = 0  # their lines
@@ -101,19 +124,31 @@ class Writer:
     def dropped(self) -> int:
         return self.refused + self.lost
 
-    def put(self, data: bytes, lines: int) -> None:
+    @property
+    def waiting(self) -> int:
+        """Bytes handed over and not yet written."""
+        return self.queued - self.written
+
+    def put(self, data: bytes, lines: int) -> bool:
+        """Queue ``data`` (``lines`` lines); False when it was dropped (and counted)."""
         if self.given_up:
             self.refused += lines  # relay is exiting: finish() said why
-            return
-        if self.queued - self.written + len(data) > self.limit:
+            return False
+        if self.waiting + len(data) > self.limit:
             self.refused += lines
             if self._start():  # else its reason stands (and the next flush tries again)
-                self.reason = f"standard output is not keeping up: {self.limit >> 10} KiB waiting"
-            return
+                self.reason = f"{self.what} is not keeping up: {self.limit >> 10} KiB waiting"
+            return False
         self.queued += len(data)
         self.accepted += lines
         self.blocks.append((data, lines))
-        self._start()  # if it cannot, the blocks wait (up to the limit) for the next flush
+        if self._start():
+            if self.prompt:
+                self.wake.set()
+        elif self.direct:
+            self._write_here()
+        # else the blocks wait (up to the limit) for the next flush to start the thread
+        return True
 
     def _start(self) -> bool:
         """Start the thread unless it runs; False when it cannot be started. ``Thread.start``
@@ -124,7 +159,7 @@ class Writer:
         if self.thread is not None:
             return True
         self.closing.clear()
-        thread = threading.Thread(target=self._run, name="relay-access-log", daemon=True)
+        thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         try:
             thread.start()
         except RuntimeError as exc:
@@ -141,17 +176,21 @@ class Writer:
         if self.thread is None and not self.blocks:
             return True
         if not self._start():
+            if self.direct:
+                self._write_here()  # (not bounded by ``timeout``: see ``direct``)
+                return True
             self._give_up()
             return False
         thread = self.thread
         assert thread is not None
         self.closing.set()
+        self.wake.set()
         thread.join(timeout)
         if not thread.is_alive():
             self.thread = None
             return True
         self._give_up()
-        self.reason = f"standard output took nothing for {timeout:g} s at exit"
+        self.reason = f"{self.what} took nothing for {timeout:g} s at exit"
         return False
 
     def _give_up(self) -> None:
@@ -163,32 +202,51 @@ class Writer:
         self.refused += self.accepted - self.done - partial - self.lost
 
     def _run(self) -> None:
-        blocks, closing = self.blocks, self.closing
+        blocks, closing, wake = self.blocks, self.closing, self.wake
         while True:
             try:
                 data, lines = blocks.popleft()
             except IndexError:
                 if closing.is_set():
                     return
-                closing.wait(POLL_S)
+                wake.wait(POLL_S)
+                wake.clear()  # then the deque is looked at again: no put is missed
                 continue
-            done = self.done
-            self.current, self.progress = data, 0
-            try:
-                if self.file:
-                    lost, reason = self._write_file(data, lines)
-                else:
-                    lost, reason = self._write_pieces(data, lines)
-            except Exception:  # a bug here must not stop the access log for good
-                log.exception("internal error in the access-log writer")
-                lost, reason = lines - (self.done - done), "internal error"
+            self._write_block(data, lines)
             if self.given_up:
                 return  # finish() counted what this block had left: relay is exiting
-            self.current = None
-            self.written += len(data)
-            if lost:
-                self.lost += lost
-                self.reason = reason
+
+    def _write_here(self) -> None:
+        """``direct``, no thread: the caller writes what waits, in order. A line logged
+        meanwhile (an internal error below) is queued and written by this same loop."""
+        if self.writing:
+            return
+        self.writing = True
+        try:
+            while self.blocks and self.thread is None:
+                self._write_block(*self.blocks.popleft())
+        finally:
+            self.writing = False
+
+    def _write_block(self, data: bytes, lines: int) -> None:
+        """One block written (or lost) and counted, by the thread (or, ``direct``, the caller)."""
+        done = self.done
+        self.current, self.progress = data, 0
+        try:
+            if self.file:
+                lost, reason = self._write_file(data, lines)
+            else:
+                lost, reason = self._write_pieces(data, lines)
+        except Exception:  # a bug here must not stop the writes for good
+            log.exception("internal error in the writer of %s", self.what)
+            lost, reason = lines - (self.done - done), "internal error"
+        if self.given_up:
+            return
+        self.current = None
+        self.written += len(data)
+        if lost:
+            self.lost += lost
+            self.reason = reason
 
     def _write_pieces(self, data: bytes, lines: int) -> tuple[int, str]:
         """``data`` (``lines`` lines) in pieces of at most PIPE_BUF bytes cut at line ends;

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from relay import __version__
+from relay import __version__, errorlog
 from relay.accesslog import ACCESS_LOG
 from relay.observe import AUTH_REASONS, CONNECT_BUCKETS, FIRST_BYTE_BUCKETS, Histogram
 
@@ -103,6 +103,11 @@ SPECS: dict[str, Spec] = {
         "Access-log lines dropped: standard output did not take them in time (8 MiB waiting, "
         "or still stalled at exit) or a write failed",
     ),
+    "relay_log_dropped_lines": Spec(
+        "counter",
+        "Diagnostic log lines dropped: standard error did not take them in time (1 MiB "
+        "waiting, or still stalled at exit) or a write failed",
+    ),
     "relay_client_connections": Spec("gauge", "Open client connections"),
     "relay_active_exchanges": Spec(
         "gauge", "Client connections with a request or stream in flight (WebSockets excluded)"
@@ -182,6 +187,7 @@ def snapshot(relay: Relay) -> Snapshot:
             "relay_reloads": _pairs(obs.reloads.items()),
             "relay_tls_reloads": _pairs(obs.tls_reloads.items()),
             "relay_access_log_dropped_lines": [[[], ACCESS_LOG.dropped]],
+            "relay_log_dropped_lines": [[[], errorlog.dropped()]],
         },
         "histograms": {
             "relay_first_byte_seconds": [

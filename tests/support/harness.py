@@ -191,6 +191,7 @@ class RelayProcess:
     close_stdout: bool = False  # start with descriptor 1 closed (``relay serve >&-``)
     nofile: tuple[int, int] | None = None  # start with this RLIMIT_NOFILE (``ulimit -n``)
     stdout_fd: int | None = None  # standard output on this descriptor (a pipe), not a file
+    stderr_fd: int | None = None  # standard error likewise (``output()`` then lacks it)
 
     @property
     def url(self) -> str:
@@ -230,7 +231,7 @@ class RelayProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "relay", "serve", "--config", str(config), *self.args],
             stdout=self.stdout if self.stdout_fd is None else self.stdout_fd,
-            stderr=self.stderr,
+            stderr=self.stderr if self.stderr_fd is None else self.stderr_fd,
             env=self.env,
             preexec_fn=self._preexec,  # noqa: PLW1509
         )
