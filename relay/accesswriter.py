@@ -39,6 +39,7 @@ import contextlib
 import logging
 import os
 import select
+import signal
 import stat
 import threading
 from collections import deque
@@ -160,11 +161,20 @@ class Writer:
             return True
         self.closing.clear()
         thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        # Started with every signal blocked, which it keeps: a signal is then the main
+        # thread's alone. The kernel gives a process's signal to any thread that does not
+        # block it, and relay.systemd.end_loop_handlers blocks SIGTERM, SIGINT and SIGHUP in
+        # the main thread only, while it takes them off the loop's handlers: one given to
+        # this thread then would meet its default action (a SIGTERM ending relay as it exits,
+        # a Ctrl-C a KeyboardInterrupt). Found by review, from the mask, not seen happen.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         try:
             thread.start()
         except RuntimeError as exc:
             self.reason = f"cannot start the writer thread: {exc}"
             return False
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.thread = thread
         return True
 

@@ -219,3 +219,33 @@ def errorlog_say(handler: errorlog.StderrHandler, line: str) -> None:
         errorlog.say(line)
     finally:
         errorlog._handler = saved
+
+
+def _blocked(native_id: int) -> set[int]:
+    """The signals a thread of this process blocks (``SigBlk`` in its /proc status)."""
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    found = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE)
+    assert found is not None
+    mask = int(found[1], 16)
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
+def test_the_writer_thread_takes_no_signal() -> None:
+    """A signal the kernel gives the writer thread rather than the main one is handled by
+    its default action there, while relay takes it off the loop's handlers at exit
+    (relay.systemd.end_loop_handlers blocks them in the main thread only, for that window):
+    a SIGTERM or a Ctrl-C in it killed relay. The thread starts at the first log line, so it
+    runs in every relay serve; the access log's likewise once a line is logged."""
+    read_fd, write_fd = os.pipe()
+    with open(write_fd, "wb") as stream:
+        handler = _handler(stream)
+        _logger(handler).warning("one")
+        thread = handler.writer.thread
+        assert thread is not None
+        assert thread.native_id is not None
+        blocked = _blocked(thread.native_id)
+        assert handler.finish(timeout=1)
+    os.close(read_fd)
+    wanted = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
+    assert wanted <= blocked
+    assert signal.SIGTERM not in _blocked(threading.main_thread().native_id or 0)
