@@ -10,7 +10,7 @@ own work; whatever this column measures above nginx is the price of CPython + uv
 path on this machine, which no amount of work on relay's code can remove.
 
 It has one upstream (the Python origin: streams, uploads, WebSockets), so the bench runs it only
-on the workloads that origin serves (``bench.run``: ``Workload.floor``).
+on the workloads that origin serves (``bench.plan``: ``Workload.floor``).
 """
 
 from __future__ import annotations

@@ -399,7 +399,7 @@ def main(argv: list[str]) -> int:
     best: dict[str, list[float]] = {}
     for label, items in runs.items():
         best[label] = [min(r[i] for r in items) for i in range(len(WORKLOADS))]
-    if args.json:  # for bench.run's host-speed line: {tree: {workload: best µs}}
+    if args.json:  # for bench.host's host-speed line: {tree: {workload: best µs}}
         document = {
             label: {name: round(b, 2) for (name, _, _), b in zip(WORKLOADS, values, strict=True)}
             for label, values in best.items()

@@ -31,7 +31,7 @@ from bench import workloads
 from bench.procs import Proc
 from bench.stack import Column, Stack
 
-PACED_DELAY_MS = 10  # as bench/run.py: 50 connections pausing 10 ms on average, ~5k req/s
+PACED_DELAY_MS = 10  # as bench/plan.py: 50 connections pausing 10 ms on average, ~5k req/s
 KNOWN = {
     "direct": Column("direct", "direct"),
     "nginx-1w": Column("nginx-1w", "nginx"),

@@ -6,6 +6,10 @@ Starts the origins, then for each column (direct, nginx and relay with 1 and 2 w
 every workload, writes ``bench/results/<date>-<host>.{json,md,png}``, refreshes the latest
 table in ``bench/README.md``, and prints the table and PASS/FAIL per target. Every load is
 bounded in count and time; all traffic stays on loopback. See bench/README.md.
+
+This module runs the phases (start, interleave, idle connections, profile); what each phase
+runs and which round it keeps is in ``bench.plan``, where the numbers go in ``bench.publish``,
+what the run records about the host in ``bench.host``.
 """
 
 from __future__ import annotations
@@ -14,27 +18,21 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import report, workloads
+from bench.host import git_commit, host_speed, host_speed_text, machine, stamp
+from bench.plan import COLUMNS, Workload, best, interleaved_workloads
 from bench.procs import Proc, core_busy, core_times, cpus_text
+from bench.publish import RESULTS, log, publish, summary
 from bench.stack import (
-    BENCH,
-    HOST_ENVD,
     LOAD_CPUS,
     ORIGIN_CPUS,
-    PRODUCT_BIN,
     PROXY_CPUS,
     ROOT,
     Column,
@@ -43,98 +41,6 @@ from bench.stack import (
     signed_files_path,
 )
 from bench.workloads import Durations
-
-RESULTS = BENCH / "results"
-README = BENCH / "README.md"
-LATEST_START = "<!-- bench:latest:start (written by bench/run.py) -->"
-LATEST_END = "<!-- bench:latest:end -->"
-PACED_DELAY_MS = 10  # mean pause per connection: 50 connections ≈ 5k req/s in all
-
-COLUMNS = [
-    Column("direct", "direct"),
-    Column("nginx-1w", "nginx", 1),
-    Column("relay-1w", "relay", 1),
-    Column("nginx-2w", "nginx", 2),
-    Column("relay-2w", "relay", 2),
-    # Not a proxy: bench/floor.py, a bare uvloop byte forwarder on relay's core, run on the
-    # workloads of the Python origin only. It shows how much of relay's latency is relay's own
-    # work and how much the price of CPython + uvloop on this machine.
-    Column("floor-1w", "floor"),
-]
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def summary(workload: str, data: dict[str, Any]) -> str:
-    if "error" in data:
-        return f"ERROR {data['error']}"
-    if "absent" in data:
-        return f"absent: {data['absent']}"
-    parts = []
-    if "req_s" in data:
-        lat = data["latency_us"]
-        parts.append(
-            f"{data['req_s']:>9,.0f} req/s  p50 {lat['p50']:>6,} µs  p99 {lat['p99']:>6,} µs"
-        )
-    if "mib_s" in data:
-        parts.append(f"{data['mib_s']:,.0f} MiB/s (runs {data['mib_s_runs']})")
-    if "first_event_us" in data:
-        lat = data["latency_us"]
-        parts.append(
-            f"event p50 {lat['p50']:,.0f} µs p99 {lat['p99']:,.0f} µs, "
-            f"first event {data['first_event_us']:,.0f} µs"
-        )
-    if "round_trips_s" in data:
-        parts.append(f"{data['round_trips_s']:,.0f} round trips/s")
-    if "kib_per_conn" in data:
-        parts.append(
-            f"{data['held']:,} held, RSS {data['rss_before_kib']:,} → {data['rss_after_kib']:,} "
-            f"KiB = {data['kib_per_conn']} KiB/conn"
-        )
-    if "proxy_cpu_us_per_req" in data:
-        parts.append(f"proxy CPU {data['proxy_cpu_us_per_req']} µs/req")
-    if "cores_busy_pct" in data:
-        parts.append("busy " + " ".join(f"{k} {v}%" for k, v in data["cores_busy_pct"].items()))
-    return "  ".join(parts) or json.dumps(data)
-
-
-Step = Callable[[Column, Proc | None], dict[str, Any]]
-
-
-@dataclass
-class Workload:
-    """One workload, repeated ``reps`` times with the columns visited in turn."""
-
-    name: str
-    step: Step
-    reps: int
-    key: str  # the rep kept: the best by this path ("-path": the lowest)
-    floor: bool = False  # the floor column (bench/floor.py) can run it: the Python origin's
-
-
-def best(reps: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """The kept rep: an error anywhere wins (errors are findings, not noise); else the best.
-
-    Other tenants of the machine only ever slow a run down, so the best of a few interleaved
-    reps is the estimate least disturbed by them."""
-    for rep in reps:
-        if "error" in rep or "absent" in rep:
-            return dict(rep, reps=len(reps))
-    sign = -1.0 if key.startswith("-") else 1.0
-    path = key.lstrip("-")
-
-    def score(rep: dict[str, Any]) -> float:
-        v = report.dig(rep, path)
-        return float("-inf") if v is None else sign * v
-
-    chosen = max(reps, key=score)
-    out = dict(chosen)
-    out["reps"] = [
-        {path: report.dig(r, path), "foreign_cpu_pct": r.get("foreign_cpu_pct")} for r in reps
-    ]
-    return out
 
 
 class Run:
@@ -222,89 +128,6 @@ class Run:
         log(f"== {name} (background load: {busy}){note}")
 
     # -- phases ----------------------------------------------------------------------------
-    def workloads(self) -> list[Workload]:
-        d = self.durations
-        token = f"X-Access-Token: {self.stack.values['ENVD_TOKEN']}"
-        reps = 1 if self.quick else 3
-
-        def get(conns: int, delay_ms: int = 0) -> Step:
-            return lambda c, p: workloads.small_get(c, p, conns, d.get_s, delay_ms)
-
-        def envd(path: str, headers: str) -> Step:
-            return lambda c, p: workloads.wrk(
-                c,
-                p,
-                service="envd",
-                host=HOST_ENVD,
-                path=path,
-                connections=50,
-                duration_s=d.auth_s,
-                headers=headers,
-            )
-
-        def client(command: str, service: str, *args: str) -> Step:
-            return lambda c, p: workloads.client(c, p, command, service, *args)
-
-        transfer = ("--reps", str(d.transfer_reps))
-        ws = ("--duration-s", str(d.ws_s), "--connections")
-        return [
-            # c50 carries the targets: one round more than the other levels.
-            Workload("get_c10", get(10), max(1, reps - 1), "req_s"),
-            Workload("get_c50", get(50), reps, "req_s"),
-            # The same 50 connections paced at ~5k req/s (each waits PACED_DELAY_MS on average
-            # between requests, about a fifth of what one relay worker serves): every column is
-            # below saturation, so p99 is what the proxy adds, not queueing behind a saturated
-            # core as in the closed-loop rows.
-            Workload("get_c50_paced", get(50, PACED_DELAY_MS), reps, "-latency_us.p99"),
-            Workload("get_c200", get(200), max(1, reps - 1), "req_s"),
-            Workload("auth_token", envd("/small", token), max(1, reps - 1), "req_s"),
-            Workload("auth_signed", envd(self.signed_path, ""), max(1, reps - 1), "req_s"),
-            Workload(
-                "download",
-                client(
-                    "download",
-                    "app",
-                    *transfer,
-                    "--size",
-                    str(self.stack.blob_size),
-                    "--crc",
-                    str(self.stack.blob_crc),
-                ),
-                # A round more than upload: the download's direct column shares core 0 with
-                # nothing of relay's, so another tenant's burst during one column's round
-                # swung the ratio 0.65-1.03x between runs (bench/README.md, "A sixth host").
-                reps,
-                "mib_s",
-            ),
-            Workload(
-                "upload", client("upload", "py", *transfer), max(1, reps - 1), "mib_s", floor=True
-            ),
-            # Two rounds more than the rest: one event at a time is a wake-up on an idle core
-            # per hop, and a run's best of 3 put relay 25 µs above nginx at p50 where eight
-            # interleaved rounds by hand right after gave the same medians (bench/README.md,
-            # "A seventh host"). Each round is ~3.5 s per column.
-            Workload(
-                "stream",
-                client("stream", "py", "--reps", str(d.stream_reps)),
-                reps + 2,
-                "-latency_us.p99",
-                floor=True,
-            ),
-            # One connection is one round trip at a time, each two wake-ups across the cores:
-            # interleaved rounds by hand scattered 5.9k-7.5k rt/s for relay, nginx and the
-            # floor alike (medians within 5%), so c1 keeps the best of more rounds than c50.
-            *(
-                Workload(
-                    f"ws_c{conns}",
-                    client("ws-echo", "py", *ws, str(conns)),
-                    rounds,
-                    "round_trips_s",
-                    floor=True,
-                )
-                for conns, rounds in ((1, reps + 1), (50, max(1, reps - 1)))
-            ),
-        ]
-
     def interleaved(self, columns: list[Column], plan: list[Workload]) -> None:
         """Every proxy runs at once on its own port; each workload visits the columns in
         turn, ``reps`` rounds, and keeps each column's best rep."""
@@ -397,7 +220,10 @@ class Run:
             for name, reason in self.absent.items():
                 log(f"  {name}: absent: {reason}")
             self.background("interleaved workloads")
-            self.interleaved(present, self.workloads())
+            self.interleaved(
+                present,
+                interleaved_workloads(self.stack, self.durations, self.signed_path, self.quick),
+            )
             present = [c for c in present if c.name not in self.absent]
             if not self.args.no_variants:
                 self.background("variants: access log off")
@@ -464,143 +290,6 @@ class Run:
         publish(document, results, name, readme=not self.quick)
         log(f"make bench took {elapsed:.0f} s")
         return 0
-
-
-def publish(document: dict[str, Any], results: Path, name: str, *, readme: bool) -> None:
-    """The .md table and the .png chart next to the JSON; the README's latest section."""
-    meta, present, data = document["meta"], document["columns"], document["results"]
-    found = report.targets(data, present)
-    header = (
-        f"Run {meta['date']} on `{meta['host']}` ({meta['cpu']}, {meta['cores']} cores, "
-        f"{meta['memory_gib']} GiB, kernel {meta['kernel']}, Python {meta['python']}), "
-        f"nginx {meta['nginx']}, {meta['wrk']}; bench at {meta['relay_commit']}; relay from "
-        f"`{meta['relay_src']}` at {meta.get('relay_src_commit', meta['relay_commit'])}; "
-        f"took {meta['duration_s']:.0f} s. Host speed: {host_speed_text(meta.get('host_speed'))}. "
-        f"Raw numbers: `results/{name}.json`."
-    )
-    absent_text = "\n".join(f"- `{k}` absent: {v}" for k, v in meta["absent"].items())
-    md = "\n\n".join(
-        part
-        for part in (
-            header,
-            report.markdown_table(data, present),
-            absent_text,
-            "Targets (issue 7):\n\n```\n" + report.targets_text(found) + "\n```",
-        )
-        if part
-    )
-    (results / f"{name}.md").write_text(md + "\n")
-    png = results / f"{name}.png"
-    title = f"relay ratios, {meta['host']} {meta['date'][:10]} ({meta['cores']} cores)"
-    charted = report.chart(data, present, png, title)
-    if readme:
-        update_readme(md, f"results/{name}.png" if charted else None)
-    log("")
-    log(md)
-    log("")
-    log(f"results: {results / name}.json, .md{', .png' if charted else ''}")
-
-
-def host_speed(relay_src: str) -> dict[str, float] | None:
-    """relay's in-process CPU per request (``bench.micro``, no sockets) on the 1-worker core.
-
-    The same code costs 2.5x more on some hosts than on others (bench/README.md, "A slower
-    host"), and CPython suffers more than nginx: this line says which kind of host a run was
-    made on, so runs on different hosts are not read as a change in relay.
-    """
-    argv = [str(PRODUCT_BIN / "python"), "-m", "bench.micro", "--json", "--rounds", "8"]
-    argv += ["--requests", "3000", "--cpu", str(PROXY_CPUS[1][0])]
-    if relay_src:
-        argv += ["--relay-src", relay_src]
-    try:
-        out = subprocess.run(
-            argv, capture_output=True, text=True, check=True, timeout=120, cwd=ROOT
-        ).stdout
-        best: dict[str, float] = json.loads(out)["this tree"]
-    except (OSError, subprocess.SubprocessError, ValueError, KeyError):
-        return None
-    return best
-
-
-def host_speed_text(speed: dict[str, float] | None) -> str:
-    if not speed or "small GET" not in speed:
-        return "not measured"
-    return (
-        f"relay's in-process small GET {speed['small GET']:.1f} µs of user CPU (`bench.micro`; "
-        f'other hosts\' values: bench/README.md, "Hosts")'
-    )
-
-
-def stamp() -> str:
-    return f"{datetime.date.today().isoformat()}-{socket.gethostname()}"
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    nginx = "absent"
-    if shutil.which("nginx"):
-        out = subprocess.run(["nginx", "-v"], capture_output=True, text=True, check=False).stderr
-        nginx = out.strip().rpartition("/")[2]
-    wrk = "wrk absent"
-    if shutil.which("wrk"):
-        out = subprocess.run(["wrk", "-v"], capture_output=True, text=True, check=False).stdout
-        wrk = " ".join(out.split()[:2])
-    return {
-        "host": socket.gethostname(),
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(mem_kib / 1024 / 1024, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "nginx": nginx,
-        "wrk": wrk,
-    }
-
-
-def git_commit(tree: Path) -> str:
-    out = subprocess.run(
-        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    dirty = subprocess.run(
-        ["git", "-C", str(tree), "status", "--porcelain", "--", "relay"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    mark = " (+ uncommitted changes under relay/)" if dirty.stdout.strip() else ""
-    return (out.stdout.strip()[:60] or "unknown") + mark
-
-
-def update_readme(md: str, png: str | None) -> None:
-    """The latest table and chart, in bench/README.md and in the project README's
-    performance section (paths there are relative to the repository root)."""
-    for readme, prefix in ((README, ""), (BENCH.parent / "README.md", "bench/")):
-        if not readme.exists():
-            continue
-        text = readme.read_text()
-        if LATEST_START not in text or LATEST_END not in text:
-            continue
-        table = md.replace("`results/", f"`{prefix}results/")
-        body = table + (f"\n\n![relay ratios]({prefix}{png})" if png else "")
-
-        def block(_: re.Match[str], body: str = body) -> str:
-            return f"{LATEST_START}\n{body}\n{LATEST_END}"  # a function: no escapes in body
-
-        new = re.sub(
-            re.escape(LATEST_START) + ".*?" + re.escape(LATEST_END),
-            block,
-            text,
-            flags=re.DOTALL,
-        )
-        readme.write_text(new)
 
 
 def main(argv: list[str]) -> int:
