@@ -294,7 +294,7 @@ def test_one_input(data: bytes) -> None:
     for made in h.pool.made:
         assert made.owner is None or made.closed, ("an upstream still owned", made.owner)
 
-    LAST[:] = [bytes(transport.out), client]  # for a look at a crash (fuzz/README)
+    LAST[:] = [bytes(transport.out), client]  # a crash from fuzz/crashes/, replayed under pdb
     # A FIN after a cut answer is as visible as a close: relay half-closes when the client
     # may still be sending (a lingering close, RFC 9112 §9.6), e.g. a request whose head was
     # put aside unparsed while others queued (relay.slices) when the answer before it was cut.
