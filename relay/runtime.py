@@ -34,6 +34,7 @@ from relay.room import descriptor_mark, soft_limit
 from relay.server import ClientConnection
 from relay.sharedcount import FILE_NAME, SharedCounts
 from relay.startup import binding, check_parsers
+from relay.systemd import start_loop_threads
 from relay.tls import ReloadableContext
 from relay.upstream_conn import keep_alive_probes
 
@@ -255,6 +256,7 @@ async def serve(config: Config, tls_files: tuple[Path, Path] | None = None) -> N
     of the configured files and then deleted (``relay.worker_config``)."""
     from relay.lifecycle import Lifecycle  # noqa: PLC0415 - lifecycle builds on this module
 
+    await start_loop_threads(asyncio.get_running_loop())  # first: relay.systemd says why
     await Lifecycle(_relay(config, tls_files, os.environ)).run()
 
 

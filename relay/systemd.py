@@ -161,6 +161,27 @@ def release_signals() -> None:
         signal.raise_signal(early)
 
 
+async def start_loop_threads(loop: asyncio.AbstractEventLoop) -> None:
+    """Start libuv's threadpool now, with every signal blocked, which its threads keep (they
+    inherit the mask of the thread that starts them): signals are then the main thread's
+    alone, as relay.accesswriter makes them for its writer threads.
+
+    uvloop starts the pool's 4 threads at the first ``create_server`` or ``getaddrinfo``, in
+    every relay serve (the supervisor's too), with the main thread's mask: empty. While
+    :func:`end_loop_handlers` blocks SIGTERM, SIGINT and SIGHUP in the main thread, the
+    kernel gave one to a pool thread instead, where SIGTERM's default action ended relay as
+    it exited (-15) and SIGINT raised KeyboardInterrupt in the main thread. Found by review:
+    SIGTERM sent without pause to a loop of end_loop_handlers ended it at once with the pool
+    started, never without it. First thing in relay serve's loop, before anything can start
+    the pool; a signal meanwhile (well under 1 ms) waits, then goes to the main thread.
+    """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        await loop.getaddrinfo("127.0.0.1", 0)  # through the pool, which starts whole
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def end_loop_handlers(
     loop: asyncio.AbstractEventLoop, sigs: tuple[signal.Signals, ...], *, ignore: bool
 ) -> None:

@@ -109,6 +109,7 @@ class Supervisor(Notifications):
 
     # -- run --------------------------------------------------------------------------------
     async def run(self) -> int:
+        await systemd.start_loop_threads(asyncio.get_running_loop())  # first: it says why
         base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
         self.run_dir = _run_dir(base, len(self.workers))
         (self.run_dir / "metrics").mkdir()

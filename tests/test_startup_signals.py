@@ -30,12 +30,17 @@ CONSOLE_SCRIPT = "import sys\nfrom relay.__main__ import main\nsys.exit(main())\
 LAUNCHERS = {"module": ["-m", "relay"], "console-script": ["-c", CONSOLE_SCRIPT]}
 
 
-def _start(tmp_path: Path, workers: int, launcher: str = "module") -> subprocess.Popen[bytes]:
+def _config(tmp_path: Path, workers: int) -> Path:
     data = config_data(tmp_path, {"process": {"workers": workers}}, port=free_port())
     data["admin"]["address"] = f"127.0.0.1:{free_port()}"
     write_routes(tmp_path / "routes.json", [route("box", insecure=True)])
     config = tmp_path / "relay.toml"
     config.write_text(to_toml(data))
+    return config
+
+
+def _start(tmp_path: Path, workers: int, launcher: str = "module") -> subprocess.Popen[bytes]:
+    config = _config(tmp_path, workers)
     with (tmp_path / "stderr").open("wb") as err:
         return subprocess.Popen(
             [sys.executable, *LAUNCHERS[launcher], "serve", "--config", str(config)],
@@ -129,11 +134,7 @@ def _interrupted(tmp_path: Path, workers: int, wait_for: bytes, delay_s: float) 
     signal hold, as _held), sleep ``delay_s``, send SIGINT (a terminal's Ctrl-C), then wait
     for the exit: it must be the stop's 0 (docs/operations.md, "Stopping": SIGINT is
     SIGTERM's twin). Returns the whole stderr."""
-    data = config_data(tmp_path, {"process": {"workers": workers}}, port=free_port())
-    data["admin"]["address"] = f"127.0.0.1:{free_port()}"
-    write_routes(tmp_path / "routes.json", [route("box", insecure=True)])
-    config = tmp_path / "relay.toml"
-    config.write_text(to_toml(data))
+    config = _config(tmp_path, workers)
     proc = subprocess.Popen(
         [sys.executable, "-m", "relay", "serve", "--config", str(config)],
         cwd=ROOT,
@@ -240,3 +241,56 @@ def test_other_commands_keep_the_default_signal_actions(tmp_path: Path, launch: 
             proc.kill()
             proc.wait()
         os.close(lock)
+
+
+def _blocked_by_thread(pid: int) -> dict[str, set[int]]:
+    """Each thread of ``pid`` but its main one (name and id): the signals it blocks (SigBlk)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if task.name == str(pid):
+            continue
+        status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines())
+        mask = int(status["SigBlk"], 16)
+        name = f"{status['Name'].strip()} {task.name}"
+        out[name] = {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_no_thread_but_the_main_one_takes_the_stop_signals(tmp_path: Path, workers: int) -> None:
+    """relay.systemd.end_loop_handlers blocks SIGTERM, SIGINT and SIGHUP in the main thread
+    while their default actions are back for a moment; the kernel then gives one to any other
+    thread that does not block it, where SIGTERM's default action ends relay (-15) and SIGINT
+    raises KeyboardInterrupt. Found by review: the writer threads block every signal, but
+    libuv's threadpool (uvloop starts its 4 threads at the first create_server or
+    getaddrinfo, in every relay serve, the supervisor's included) blocked none: SIGTERM sent
+    without pause to a loop of end_loop_handlers ended it at once with the pool started, never
+    without it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "serve", "--config", str(_config(tmp_path, workers))],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    seen = bytearray()
+    try:
+        _read_until(proc, b"all 2 workers ready" if workers > 1 else b"ready", seen)
+        pids = [proc.pid]
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        pids += [int(child) for child in children]
+        assert len(pids) == workers + (workers > 1)
+        wanted = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+        for pid in pids:
+            threads = _blocked_by_thread(pid)
+            assert any(name.startswith("libuv-worker") for name in threads)
+            takers = [name for name, blocked in threads.items() if not wanted <= blocked]
+            assert takers == [], f"pid {pid}: threads that take SIGTERM/SIGINT/SIGHUP: {takers}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0
