@@ -23,6 +23,7 @@ import signal
 import socket
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("relay.systemd")
 
@@ -174,12 +175,21 @@ async def start_loop_threads(loop: asyncio.AbstractEventLoop) -> None:
     SIGTERM sent without pause to a loop of end_loop_handlers ended it at once with the pool
     started, never without it. First thing in relay serve's loop, before anything can start
     the pool; a signal meanwhile (well under 1 ms) waits, then goes to the main thread.
+
+    The loop's default executor's threads (``asyncio.to_thread``: relay.netlink's, at start
+    and at each reload with ``upstream.source_address``) are started later, one by one, so
+    each blocks every signal itself as it starts.
     """
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         await loop.getaddrinfo("127.0.0.1", 0)  # through the pool, which starts whole
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="asyncio", initializer=_deaf))
+
+
+def _deaf() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
 
 
 def end_loop_handlers(

@@ -30,8 +30,8 @@ CONSOLE_SCRIPT = "import sys\nfrom relay.__main__ import main\nsys.exit(main())\
 LAUNCHERS = {"module": ["-m", "relay"], "console-script": ["-c", CONSOLE_SCRIPT]}
 
 
-def _config(tmp_path: Path, workers: int) -> Path:
-    data = config_data(tmp_path, {"process": {"workers": workers}}, port=free_port())
+def _config(tmp_path: Path, workers: int, **sections: dict[str, object]) -> Path:
+    data = config_data(tmp_path, {"process": {"workers": workers}, **sections}, port=free_port())
     data["admin"]["address"] = f"127.0.0.1:{free_port()}"
     write_routes(tmp_path / "routes.json", [route("box", insecure=True)])
     config = tmp_path / "relay.toml"
@@ -265,9 +265,11 @@ def test_no_thread_but_the_main_one_takes_the_stop_signals(tmp_path: Path, worke
     libuv's threadpool (uvloop starts its 4 threads at the first create_server or
     getaddrinfo, in every relay serve, the supervisor's included) blocked none: SIGTERM sent
     without pause to a loop of end_loop_handlers ended it at once with the pool started, never
-    without it."""
+    without it. The loop's default executor likewise (its thread resolves
+    upstream.source_address, relay.netlink)."""
+    config = _config(tmp_path, workers, upstream={"source_address": "127.0.0.1"})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "--config", str(_config(tmp_path, workers))],
+        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -283,6 +285,8 @@ def test_no_thread_but_the_main_one_takes_the_stop_signals(tmp_path: Path, worke
         for pid in pids:
             threads = _blocked_by_thread(pid)
             assert any(name.startswith("libuv-worker") for name in threads)
+            if pid != proc.pid or workers == 1:  # serving: the log's and the executor's too
+                assert len([name for name in threads if name.startswith("python")]) >= 2
             takers = [name for name, blocked in threads.items() if not wanted <= blocked]
             assert takers == [], f"pid {pid}: threads that take SIGTERM/SIGINT/SIGHUP: {takers}"
     finally:
