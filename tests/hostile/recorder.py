@@ -78,6 +78,26 @@ SCRIPTS: dict[str, tuple[bytes, bool]] = {
         True,
     ),
     "two-cl": (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", True),
+    # Equal values: RFC 9110 §8.6 lets a recipient take the one value or refuse; llhttp refuses.
+    "two-cl-equal": (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok", True),
+    # Protocols llhttp reads in a status line besides HTTP (not HTTP: refused, as Go's client does).
+    "rtsp-status": (b"RTSP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+    "ice-status": (b"ICE/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+    # HTTP/1.0 and Transfer-Encoding: faulty framing, the connection closes after it (RFC 9112
+    # §6.1). Beside it, an HTTP/1.0 response kept alive with a Content-Length, and HTTP/1.1.
+    "http10-chunked": (
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nok\r\n0\r\n\r\n",
+        False,
+    ),
+    "http10-length": (
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok",
+        False,
+    ),
+    "http11-chunked": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        False,
+    ),
     "obs-fold": (b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 0\r\n\r\n", True),
     "bare-lf": (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok", True),
     # Bare LF line ends in one place each, and a bare CR (never a line end, RFC 9112 §2.2).

@@ -45,6 +45,7 @@ async def get(conn: Connection, host: str, path: str, timeout: float = 5.0) -> o
         "cl-te",
         "te-cl",
         "two-cl",
+        "two-cl-equal",
         "obs-fold",
         "bare-cr",
         "cr-in-value",

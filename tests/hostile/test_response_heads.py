@@ -12,7 +12,7 @@ import asyncio
 import httptools
 import pytest
 
-from tests.hostile.conftest import Hostile
+from tests.hostile.conftest import Hostile, connected
 from tests.hostile.test_broken_upstreams import still_serves
 from tests.support.rawhttp import request_bytes
 
@@ -140,3 +140,27 @@ async def test_heads_are_relayed_in_relays_own_spelling(
     for interim in strict.headers[:-1]:
         assert [name for name, _ in interim if name.lower() == b"content-length"] == [], raw
     await still_serves(hostile)
+
+
+@pytest.mark.parametrize(
+    ("script", "reused"),
+    [("http10-chunked", False), ("http10-length", True), ("http11-chunked", True)],
+)
+async def test_an_http10_response_with_transfer_encoding_closes_its_connection(
+    hostile: Hostile, script: str, reused: bool
+) -> None:
+    """RFC 9112 §6.1: a client that receives an HTTP/1.0 message with Transfer-Encoding "MUST
+    treat the message as if the framing is faulty ... and close the connection after
+    processing the message" (an HTTP/1.0 hop in between may not have known the coding). relay
+    decoded it and reused the connection despite "Connection: keep-alive" (found by review).
+    The client still gets the body, in relay's own framing (SPEC §5a)."""
+    mark = hostile.recorder.mark()
+    async with connected(hostile.port) as conn:
+        await conn.send(request_bytes("GET", f"/raw/{script}", hostile.app))
+        first = await conn.read_response(timeout=5)
+        assert (first.status, first.body) == (200, b"ok")
+        await conn.send(request_bytes("GET", "/next", hostile.app))
+        after = await conn.read_response(timeout=5)
+        assert (after.status, after.body) == (200, b"GET /next 0")
+    first_conn, next_conn = (r.conn for r in hostile.recorder.requests_since(mark))
+    assert (first_conn == next_conn) is reused
