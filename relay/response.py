@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from relay.upstreams import Pool
 
 
+# RFC 9112 §2.3: the protocol of every HTTP/1.x message (_not_http).
+HTTP = b"HTTP/"
+
+
 def _out_of_turn(after: bytes) -> bool:
     """Bytes after a complete response make its connection unusable, but for line ends, which
     llhttp skips between messages (a read fed whole keeps the connection after them)."""
@@ -98,7 +102,15 @@ class ResponseReader(ResponseCallbacks):
             # slices (as _feed would; found by review: mid-size responses lost their memo).
             self._first = False
             self.at_chunk = False
-            if self._remembered(data, self._owner):
+            owner = self._owner
+            if self._remembered(data, owner) or (
+                not data.startswith(HTTP) and self._not_http(data, owner)
+            ):
+                return b""
+            if self._first:
+                # Only line ends (_not_http): fed whole (llhttp skips them without a callback;
+                # sliced, the next slice would be taken for the first read).
+                self._feed(data)
                 return b""
         size = len(data)
         self._whole = data
@@ -174,7 +186,9 @@ class ResponseReader(ResponseCallbacks):
         owner = self._owner
         if self._first:
             self._first = False
-            if self._remembered(data, owner):
+            if self._remembered(data, owner) or (
+                not data.startswith(HTTP) and self._not_http(data, owner)
+            ):
                 return
         conn = owner.upstream
         self._moved = False
@@ -271,6 +285,32 @@ class ResponseReader(ResponseCallbacks):
             owner.internal_error(exc)
             return True
         owner.flush()
+        return True
+
+    def _not_http(self, data: bytes, owner: Events) -> bool:
+        """The first read of a response, not starting with "HTTP/": True when it is refused.
+
+        llhttp reads a status line of "RTSP/" or "ICE/" too (its on_protocol callback is not
+        one httptools sets, nor is the name kept anywhere httptools reads), and relay wrote
+        it on as HTTP/1.1. It is no HTTP response (RFC 9112 §2.3: HTTP-name is "HTTP"), and
+        Go's client, E2B's proxy, refuses one ("malformed HTTP version"): a 502. Read here,
+        where the read's first bytes are the head's, before llhttp: one test per response
+        llhttp parses (a remembered head was tested when first seen). Garbage, which llhttp
+        refused as well, is refused here first. Not the final head after a 1xx (RFC 9110
+        §15.2): httptools reports no offset of a message start inside a read, so where that
+        head begins is unknown; it stays relayed as HTTP/1.1, which misframes nothing (relay
+        frames the body itself, SPEC §5a).
+        """
+        if owner.response_complete:
+            return False  # not this response's bytes: llhttp stops at them (on_message_begin)
+        head = data.lstrip(b"\r\n")  # llhttp skips line ends before a message
+        if not head:
+            self._first = True  # only line ends: the head starts in a later read
+            return False
+        if HTTP.startswith(head[:5]):
+            return False  # "HTTP/" cut by the read's end: llhttp refuses any other rest
+        self.parser = None  # it never saw this read: nothing more is parsed on it
+        owner.response_malformed("upstream: not an HTTP response")
         return True
 
     def _remember(self, size: int) -> None:

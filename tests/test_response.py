@@ -212,3 +212,51 @@ def test_bytes_after_a_closing_response_still_close_the_connection() -> None:
     owner, _ = read(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nokmore")
     assert owner.events[-3:] == [("body", b"ok"), ("end",), ("flush",)]
     assert owner.upstream.closed
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        (b"RTSP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",),
+        (b"ICE/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",),
+        (b"RT", b"SP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"),
+        (b"\r\n\r\nRTSP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",),
+        (b"\r\n", b"RTSP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"),
+        (b"\r\n" * 6000, b"RTSP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"),  # sliced (flow)
+    ],
+)
+def test_a_status_line_of_another_protocol_is_malformed(chunks: tuple[bytes, ...]) -> None:
+    """llhttp reads "RTSP/" and "ICE/" status lines too; relay wrote them on as HTTP/1.1
+    (found by review). Go's client, E2B's proxy, refuses them: so does relay."""
+    owner, _ = read(*chunks)
+    events = [event for event in owner.events if event != ("flush",)]
+    assert events == [("malformed", "upstream: not an HTTP response")]
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        (b"HT", b"TP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"),
+        (b"\r\n" * 6000, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"),
+        (b"\r\n" * 6000 + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",),
+    ],
+)
+def test_an_http_status_line_cut_or_after_line_ends_is_read(chunks: tuple[bytes, ...]) -> None:
+    owner, _ = read(*chunks)
+    assert [event[:2] for event in owner.events if event[0] != "flush"] == [
+        ("head", 200),
+        ("body", b"ok"),
+        ("end",),
+    ]
+
+
+@pytest.mark.parametrize(("version", "closed"), [(b"1.0", True), (b"1.1", False)])
+def test_an_http10_chunked_response_closes_its_connection(version: bytes, closed: bool) -> None:
+    """RFC 9112 §6.1: HTTP/1.0 with Transfer-Encoding is faulty framing; the connection is
+    closed after the message, whatever its Connection field says."""
+    owner, _ = read(
+        b"HTTP/%s 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nok\r\n0\r\n\r\n" % version
+    )
+    assert owner.events[-2:] == [("end",), ("flush",)]
+    assert owner.upstream.closed is closed

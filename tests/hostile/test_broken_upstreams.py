@@ -46,6 +46,8 @@ async def get(conn: Connection, host: str, path: str, timeout: float = 5.0) -> o
         "te-cl",
         "two-cl",
         "two-cl-equal",
+        "rtsp-status",
+        "ice-status",
         "obs-fold",
         "bare-cr",
         "cr-in-value",
