@@ -20,7 +20,7 @@ from relay.core.auth import (
     strip_signature_params,
 )
 from relay.core.model import Reason, Route
-from tests.support.envd_files import go_url_query
+from tests.support.envd_file_access import go_url_query
 
 # notes/e2b-protocol.md §7: computed with the 2.52.0 SDK's get_signature, cross-checked
 # with openssl. (path, op, user, token, absolute expiration, signature)

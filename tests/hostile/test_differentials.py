@@ -5,7 +5,7 @@ routing form, strips the credential and forwards. In ``strip`` mode envd runs wi
 and trusts whatever relay forwards, so a request relay admits as signed for file A, user U
 must reach envd as a request for file A, user U and nothing else. envd reads the query with
 Go's ``r.URL.Query()`` and oapi-codegen's binding (``api.gen.go``: exact, case-sensitive names,
-a repeated one is a 400), which ``tests.support.envd_files.go_url_query`` reproduces; each
+a repeated one is a 400), which ``tests.support.envd_file_access.go_url_query`` reproduces; each
 forwarded signed URL below is read back that way from the bytes the recording upstream got.
 
 A user's app may read the query with another parser: Rails (``ActionDispatch::QueryParser``,
@@ -26,7 +26,7 @@ import pytest
 from relay.core.auth import file_signature
 from tests.hostile.conftest import ENVD_TOKEN, TRAFFIC_TOKEN, Hostile, exchange
 from tests.hostile.recorder import Request
-from tests.support.envd_files import go_url_query
+from tests.support.envd_file_access import go_url_query
 from tests.support.harness import DOMAIN
 from tests.support.rawhttp import request_bytes
 

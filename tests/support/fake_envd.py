@@ -45,7 +45,8 @@ from tests.support.connect import (
     end_stream_envelope,
     envelope,
 )
-from tests.support.envd_files import CORS_FIELDS, FilesApi, json_error
+from tests.support.envd_file_access import json_error
+from tests.support.envd_files import CORS_FIELDS, FilesApi
 from tests.support.envd_filesystem import FilesystemService
 from tests.support.envd_process import ProcessService
 from tests.support.envd_routes import GoPath, parse_target, route

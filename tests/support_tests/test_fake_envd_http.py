@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from tests.support.connect import unary
-from tests.support.envd_files import negotiate_encoding, sign
+from tests.support.envd_encoding import negotiate_encoding
+from tests.support.envd_file_access import sign
 from tests.support.fake_envd import CONTROL_PATHS, UNAUTHORIZED, FakeEnvd
 from tests.support_tests.conftest import TOKEN
 
