@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import inspect
-import json
 import os
 import shutil
 import struct
@@ -36,22 +34,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from tests.support import envd_cors, go_json
-from tests.support.connect import (
-    STREAM_CONTENT_TYPE,
-    ConnectError,
-    JSONDict,
-    decode_single_envelope,
-    encode_json,
-    end_stream_envelope,
-    envelope,
-)
+from tests.support.connect import ConnectError, JSONDict
+from tests.support.envd_connect_handler import ConnectHandler, connect_error_answer
 from tests.support.envd_file_access import json_error
 from tests.support.envd_files import CORS_FIELDS, FilesApi
 from tests.support.envd_filesystem import FilesystemService
 from tests.support.envd_process import ProcessService
 from tests.support.envd_routes import GoPath, parse_target, route
-from tests.support.envd_rpc import Call, StreamMethod, UnaryMethod, keepalive_interval
-from tests.support.fake_server import FakeServer, read_body
+from tests.support.fake_server import FakeServer
 from tests.support.records import RecordHandle
 from tests.support.sandbox_fs import DEFAULT_USER, USERS, SandboxFS, SandboxUser
 
@@ -68,7 +58,6 @@ UNAUTHORIZED = (
 CONTROL_PATHS = frozenset(
     {"/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw", "/upgrade"}
 )
-_UNARY_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8")
 
 
 def sdk_start_request(command: str, *, stdin: bool = False) -> JSONDict:
@@ -110,15 +99,10 @@ class FakeEnvd(FakeServer):
         self.process = ProcessService(self.fs, self.env_vars)
         self.filesystem = FilesystemService(self.fs, poll_interval=watch_poll_interval)
         self.files = FilesApi(self.fs, access_token)
-        self._unary: dict[str, UnaryMethod] = {
-            **self.process.unary_methods(),
-            **self.filesystem.unary_methods(),
-        }
-        self._stream_transports: set[asyncio.Transport] = set()
-        self._streams: dict[str, StreamMethod] = {
-            **self.process.stream_methods(),
-            **self.filesystem.stream_methods(),
-        }
+        self.rpc = ConnectHandler(
+            unary={**self.process.unary_methods(), **self.filesystem.unary_methods()},
+            streams={**self.process.stream_methods(), **self.filesystem.stream_methods()},
+        )
 
     def break_streams(self, *, reset: bool = True, mid_envelope: bool = False) -> int:
         """End every in-flight exchange abruptly (see FakeServer.break_streams).
@@ -130,7 +114,7 @@ class FakeEnvd(FakeServer):
         """
         if mid_envelope:
             partial = struct.pack(">BI", 0, 64) + b'{"event"'
-            for transport in list(self._stream_transports):
+            for transport in list(self.rpc.stream_transports):
                 transport.write(b"%x\r\n%s\r\n" % (len(partial), partial))
                 transport.close()
         return super().break_streams(reset=reset)
@@ -185,7 +169,7 @@ class FakeEnvd(FakeServer):
         try:
             user = _basic_auth_user(request.headers.get("Authorization"))
         except ConnectError as error:
-            return _connect_error_answer(request, error)
+            return connect_error_answer(request, error)
         return await self._route(request, record, target, user)
 
     async def _route(
@@ -198,11 +182,11 @@ class FakeEnvd(FakeServer):
         method, found = request.method, route(request.method, target)
         if found.mount:
             # The generated Connect handler switches on the decoded URL.Path.
-            if target.path not in self._unary and target.path not in self._streams:
+            if not self.rpc.serves(target.path):
                 return _not_found()
             if method != "POST":
                 return web.Response(status=405, headers={"Allow": "POST"})
-            return await self._rpc(request, record, target.path, user or DEFAULT_USER)
+            return await self.rpc.serve(request, record, target.path, user or DEFAULT_USER)
         if found.static is None:
             if found.status == 404:
                 return _not_found()
@@ -247,115 +231,6 @@ class FakeEnvd(FakeServer):
     async def _envs(self, request: web.BaseRequest, record: RecordHandle) -> web.Response:
         return _json_response(self.env_vars, go_map=True)  # envs.go: a map
 
-    # -- Connect --------------------------------------------------------------------------------
-
-    async def _rpc(
-        self, request: web.BaseRequest, record: RecordHandle, method: str, user: SandboxUser
-    ) -> web.StreamResponse:
-        content_type = request.headers.get("Content-Type", "")
-        streaming = method in self._streams
-        wanted = (STREAM_CONTENT_TYPE,) if streaming else _UNARY_CONTENT_TYPES
-        if content_type.lower() not in wanted:
-            # connect-go answers an unsupported codec or protocol with 415.
-            return web.Response(status=415, headers={"Accept-Post": ", ".join(wanted)})
-        body = await read_body(request, record)
-        try:
-            call = _call(request, method, user)
-        except ConnectError as error:
-            if streaming:
-                return _end_only(content_type, error)
-            return _unary_error(content_type, error)
-        if streaming:
-            return await self._serve_stream(request, call, content_type, body)
-        return await self._serve_unary(call, content_type, body)
-
-    async def _serve_unary(self, call: Call, content_type: str, body: bytes) -> web.Response:
-        try:
-            message = _decode_json(body)
-            async with asyncio.timeout(call.timeout_s):
-                outcome = self._unary[call.method](call, message)
-                result = await outcome if inspect.isawaitable(outcome) else outcome
-        except ConnectError as error:
-            return _unary_error(content_type, error)
-        except TimeoutError:
-            return _unary_error(
-                content_type, ConnectError("deadline_exceeded", "context deadline exceeded")
-            )
-        # connect-go echoes the request Content-Type and advertises the compressors it has.
-        return web.Response(
-            status=200,
-            body=encode_json(result),
-            headers={"Content-Type": content_type, "Accept-Encoding": "gzip"},
-        )
-
-    async def _serve_stream(
-        self, request: web.BaseRequest, call: Call, content_type: str, body: bytes
-    ) -> web.StreamResponse:
-        # Streams always answer 200; failures travel in the end-of-stream envelope.
-        response = web.StreamResponse(
-            status=200,
-            headers={"Content-Type": content_type, "Connect-Accept-Encoding": "gzip"},
-        )
-        response.headers.extend(envd_cors.actual_fields(request))
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        transport = request.transport
-        if transport is not None:
-            self._stream_transports.add(transport)
-        try:
-            return await self._run_stream(response, call, body)
-        finally:
-            if transport is not None:
-                self._stream_transports.discard(transport)
-
-    async def _run_stream(
-        self, response: web.StreamResponse, call: Call, body: bytes
-    ) -> web.StreamResponse:
-        async def send(message: JSONDict) -> None:
-            await response.write(envelope(message))  # one envelope, one chunk, flushed
-
-        error: ConnectError | None = None
-        try:
-            flags, message = decode_single_envelope(body)
-            if flags & 0x01:
-                raise ConnectError("internal", "received compressed message without compression")
-            async with asyncio.timeout(call.timeout_s):
-                await self._streams[call.method](call, message, send)
-        except ConnectError as exc:
-            error = exc
-        except TimeoutError:
-            # connect-go put Connect-Timeout-Ms on the handler context.
-            error = ConnectError("deadline_exceeded", "context deadline exceeded")
-        except json.JSONDecodeError as exc:
-            error = ConnectError("invalid_argument", f"unmarshal message: {exc}")
-        except ConnectionResetError:
-            return response  # the client went away mid-stream; envd just stops sending
-        try:
-            await response.write(end_stream_envelope(error))
-            await response.write_eof()
-        except ConnectionResetError:
-            pass
-        return response
-
-
-def _call(request: web.BaseRequest, method: str, user: SandboxUser) -> Call:
-    timeout_header = request.headers.get("Connect-Timeout-Ms")
-    timeout_s: float | None = None
-    if timeout_header is not None:
-        # connect-go: at most 10 digits; start.go reads the same header for the process deadline.
-        if not timeout_header.isdigit() or len(timeout_header) > 10:
-            raise ConnectError(
-                "invalid_argument", f"protocol error: invalid timeout {timeout_header!r}"
-            )
-        timeout_s = int(timeout_header) / 1000 or None
-    return Call(
-        method=method,
-        headers=request.headers,
-        user=user,
-        timeout_s=timeout_s,
-        keepalive_s=keepalive_interval(request.headers.get("Keepalive-Ping-Interval")),
-    )
-
 
 def _basic_auth_user(header: str | None) -> SandboxUser | None:
     """authenticate.go: a Basic-auth username names the Linux user; no header, default user."""
@@ -374,18 +249,6 @@ def _basic_auth_user(header: str | None) -> SandboxUser | None:
     return user
 
 
-def _decode_json(body: bytes) -> JSONDict:
-    if not body:
-        return {}
-    try:
-        message = json.loads(body)
-    except json.JSONDecodeError as exc:
-        raise ConnectError("invalid_argument", f"unmarshal message: {exc}") from exc
-    if not isinstance(message, dict):
-        raise ConnectError("invalid_argument", "unmarshal message: not a JSON object")
-    return message
-
-
 def _not_found() -> web.Response:
     """Go's http.NotFound (chi's NotFound handler, and the Connect handlers' default case)."""
     return web.Response(
@@ -393,31 +256,6 @@ def _not_found() -> web.Response:
         body=b"404 page not found\n",
         headers={"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
     )
-
-
-def _unary_error(content_type: str, error: ConnectError) -> web.Response:
-    return web.Response(
-        status=error.http_status,
-        body=encode_json(error.to_json()),
-        headers={"Content-Type": "application/json"},
-    )
-
-
-def _end_only(content_type: str, error: ConnectError) -> web.Response:
-    """A stream that fails before its first message: 200 and only the end-of-stream envelope."""
-    return web.Response(
-        status=200,
-        body=end_stream_envelope(error),
-        headers={"Content-Type": content_type or STREAM_CONTENT_TYPE},
-    )
-
-
-def _connect_error_answer(request: web.BaseRequest, error: ConnectError) -> web.Response:
-    """connect.ErrorWriter as the authn middleware uses it: stream-shaped or unary-shaped."""
-    content_type = request.headers.get("Content-Type", "")
-    if content_type.lower().startswith(STREAM_CONTENT_TYPE):
-        return _end_only(content_type, error)
-    return _unary_error(content_type, error)
 
 
 def _json_response(payload: Mapping[str, Any], *, go_map: bool = False) -> web.Response:
