@@ -38,6 +38,11 @@ bytes (and keeps those that come before the TLS protocol's own ``connection_made
 * a handshake that fails on the bytes it is fed sends OpenSSL's alert before the close
   (``relay.tls.AlertingObject``), which asyncio's and uvloop's TLS protocol drop.
 
+A handshake that ends without a connection counts once in
+``relay_tls_handshake_failures_total{reason}`` (:func:`failure_reason`), which costs nothing
+to a handshake that succeeds; the plain-HTTP 400 counts as its refusal only, and a
+connection that relay's stop ends, or that admission resets before any handshake, not at all.
+
 When the handshake is done the :class:`~relay.server.ClientConnection` takes the TLS
 transport as if it had been accepted with it. ``start_tls`` never calls ``connection_made``,
 and events for the TLS transport's protocol could come before the handover, so this protocol
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
@@ -64,6 +70,33 @@ if TYPE_CHECKING:
     from relay.runtime import Relay
 
 _Start = Coroutine[Any, Any, asyncio.Transport | None]
+
+
+def failure_reason(exc: BaseException | None) -> str:
+    """The ``reason`` of a failed handshake (relay_tls_handshake_failures_total), from what
+    ended ``start_tls`` (uvloop 0.23's ``SSLProtocol``, as asyncio's): a closed set.
+
+    * ``timeout``: ``header_timeout_s`` from accept ran out (SPEC §5a); the TLS protocol
+      ends the handshake with ``ConnectionAbortedError("SSL handshake is taking longer than
+      …")``, which nothing else in its path raises (relay's own stop comes as a close).
+    * ``closed``: the client left first: a FIN (``ConnectionResetError``, or a wake-up without
+      an error when it came before the TLS protocol had started: ``exc`` None), a reset, or
+      an ``SSLEOFError`` (a truncated handshake). Port checks and load balancers' TCP probes
+      land here.
+    * ``protocol``: OpenSSL refused what it read (RFC 8446 §6.2's alerts: no shared version
+      or cipher suite, an unexpected message, bytes that are not TLS): old clients,
+      scanners, a client that rejects relay's certificate chain (its alert).
+    * ``error``: anything else, relay's side (``start_tls`` failing at its first step).
+    """
+    if exc is None or isinstance(exc, ssl.SSLEOFError):
+        return "closed"
+    if isinstance(exc, ssl.SSLError):
+        return "protocol"
+    if isinstance(exc, ConnectionAbortedError):
+        return "timeout"
+    if isinstance(exc, OSError):  # ConnectionResetError, BrokenPipeError, ECONNRESET
+        return "closed"
+    return "error"
 
 
 class TlsAccept(asyncio.Protocol):
@@ -124,8 +157,8 @@ class TlsAccept(asyncio.Protocol):
         relay.handshakes.add(self)
         try:
             waiter = start.send(None)  # the first step, now: see the module's docstring
-        except Exception:  # StopIteration included: start_tls always waits for its handshake
-            self._failed()
+        except Exception as exc:  # StopIteration too: start_tls always waits for its handshake
+            self._failed(exc)  # counted as error (relay.handshake.failure_reason)
             return
         waiter.add_done_callback(self._handshaken)
         # start_tls made its TLS protocol the transport's; the handshake's bytes go through
@@ -150,12 +183,13 @@ class TlsAccept(asyncio.Protocol):
             start.send(None)  # start_tls returns its transport, or raises what ended it
         except StopIteration as done:
             self._hand_over(done.value)
-        except Exception:  # a failed or timed-out handshake, a reset: nothing to answer
-            self._failed()
+        except Exception as exc:  # a failed or timed-out handshake, a reset: nothing to answer
+            self._failed(exc)
         else:  # start_tls awaits only its waiter
-            self._failed()
+            self._failed(RuntimeError())
 
-    def _failed(self) -> None:
+    def _failed(self, exc: BaseException | None) -> None:
+        self._count_failure(exc)
         self.relay.handshakes.discard(self)
         self._first = None  # the transport keeps it as its protocol until its loss
         start, self._start = self._start, None
@@ -165,12 +199,23 @@ class TlsAccept(asyncio.Protocol):
         if self._raw is not None:
             self._raw.abort()
 
+    def _count_failure(self, exc: BaseException | None) -> None:
+        """Once per connection, at its failure only: the plain-HTTP 400 counted already
+        (``relay_refusals_total{reason="plain_http"}``), and relay's stop is no failure."""
+        first = self._first
+        if self.relay.stopped or (first is not None and first.refused):
+            return
+        self.relay.observer.tls_handshake_failures[failure_reason(exc)] += 1
+
     def _hand_over(self, transport: asyncio.Transport | None) -> None:
         self.relay.handshakes.discard(self)
         self._start = None
         if transport is None or transport.is_closing():
             # Lost on the way (a close during the handshake wakes start_tls without an
-            # error): there is no connection left to admit.
+            # error): there is no connection left to admit. A failure: a client that leaves
+            # right after its Finished is handed over first (uvloop reads the FIN in a later
+            # turn of the loop than the waiter's callback; tests/test_tls_handshake_metrics).
+            self._count_failure(None)
             if self._raw is not None:
                 self._raw.abort()
             return
@@ -295,6 +340,11 @@ class FirstBytes(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._tls.resume_writing()
+
+    @property
+    def refused(self) -> bool:
+        """A plain HTTP request was answered 400 (counted as that refusal)."""
+        return bool(self._plain)
 
     def shaken(self) -> None:
         """The handshake is done: the TLS protocol takes the transport."""

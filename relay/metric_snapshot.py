@@ -98,6 +98,14 @@ SPECS: dict[str, Spec] = {
     "relay_tls_reloads": Spec(
         "counter", "TLS certificate reloads (SIGHUP), by result", ("result",)
     ),
+    "relay_tls_handshake_failures": Spec(
+        "counter",
+        "TLS handshakes that ended without a connection, by reason (timeout: "
+        "header_timeout_s from accept; closed: the client left or reset; protocol: an SSL "
+        "error such as no shared version or cipher, or bytes that are not TLS; error: "
+        "relay's side). The plain-HTTP 400 counts in relay_refusals_total only",
+        ("reason",),
+    ),
     "relay_access_log_dropped_lines": Spec(
         "counter",
         "Access-log lines dropped: standard output did not take them in time (8 MiB waiting, "
@@ -186,6 +194,7 @@ def snapshot(relay: Relay) -> Snapshot:
             "relay_feed_events": [[[], getattr(relay.feed, "events", 0)]],
             "relay_reloads": _pairs(obs.reloads.items()),
             "relay_tls_reloads": _pairs(obs.tls_reloads.items()),
+            "relay_tls_handshake_failures": _pairs(obs.tls_handshake_failures.items()),
             "relay_access_log_dropped_lines": [[[], ACCESS_LOG.dropped]],
             "relay_log_dropped_lines": [[[], errorlog.dropped()]],
         },

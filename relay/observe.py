@@ -87,6 +87,8 @@ class Observer:
         self.shed_idle: Counter[str] = Counter()  # client | upstream (relay.room)
         self.reloads: Counter[str] = Counter()  # ok | error
         self.tls_reloads: Counter[str] = Counter()  # ok | error
+        # timeout | closed | protocol | error (relay.handshake.failure_reason)
+        self.tls_handshake_failures: Counter[str] = Counter()
         self.feed_failing_since: float | None = None  # monotonic; None while the feed is fine
 
     @property
