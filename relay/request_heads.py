@@ -35,15 +35,21 @@ class RequestHeads(Pipelining):
     __slots__ = (
         "_at_start",
         "_head_bytes",
+        "_held",
         "_in_head",
         "_keep",
         "_last",
+        "_line_from",
+        "_reading",
         "_seen",
         "_url",
         "requests",
     )
 
     _head_bytes: int  # the head's fields so far, then its trailers' (max_header_bytes)
+    _reading: bytes  # the read llhttp is fed, after a cut head's start (data_received)
+    _line_from: int  # where in it the next request line may begin (_http_line)
+    _held: bytes  # a cut head's bytes, from where its request line may begin
     _keep: bool  # the current request lets the connection carry another
     _at_start: bool  # llhttp waits for the first byte of a request it will read
     _key: bytes | None  # a read that is one whole head (data_received): remembered if llhttp agrees
@@ -88,6 +94,8 @@ class RequestHeads(Pipelining):
             # An earlier request in this same read was refused and the connection is closing
             # (llhttp goes on through the rest of the buffer): this one is never served.
             return
+        if not self._http_line():
+            return
         method = parser.get_method()
         keep_alive = parser.should_keep_alive()
         # SPEC §5a: the limit counts the request line and all header lines.
@@ -102,6 +110,38 @@ class RequestHeads(Pipelining):
         if self._key is not None and keep_alive:
             self._seen = known
         self._head(known, upgrade=parser.should_upgrade())
+
+    def _http_line(self) -> bool:
+        """The request line of the head llhttp just read names HTTP/: else it is refused.
+
+        llhttp reads a request line of "RTSP/" or "ICE/" too (with their methods: PLAY,
+        SETUP...; its on_protocol callback is not one httptools sets, nor is the name kept
+        anywhere httptools reads), and relay forwarded it as HTTP/1.1. It is no HTTP request
+        (RFC 9112 §2.3, §3: HTTP-name is "HTTP", one SP before it), and Go's server, E2B's
+        proxy, answers it 400 ("malformed HTTP version"): so does relay, as for llhttp's own
+        refusals. One search per head llhttp parses (a remembered head was tested when first
+        seen): its line, " " target " HTTP/", in the read from where the last one was found.
+        An HTTP line is always found there (the first match is at or before it, so the next
+        line is after where the search resumes; a head cut by a read's end is searched in
+        its reads joined, data_received). A line of another protocol passes only if the
+        client itself wrote that pattern after the last line (in a field, a body), and is
+        then forwarded as HTTP/1.1, as before: relay writes its own request line, so nothing
+        is misframed.
+        """
+        at = self._reading.find(b" " + self._url + b" HTTP/", self._line_from)
+        if at >= 0:
+            self._line_from = at + 1
+            return True
+        parser = self.parser
+        if parser is not None and parser.get_http_version() == "0.9":
+            return True  # no protocol at all (HTTP/0.9): answered 505 as before (relay.core)
+        head = self._head_so_far()
+        self._in_head = False
+        self._head_bytes = 0
+        self.relay.timers.head_done(self)
+        reject = Reject(reason=Reason.BAD_REQUEST, detail="Malformed request: not HTTP")
+        self._unparseable(reject, head)
+        return False
 
     def _head(self, known: KnownRequest, *, upgrade: bool, read: bytes = b"") -> None:
         """A whole request head, from llhttp or remembered (_replay)."""

@@ -69,6 +69,9 @@ class ClientConnection(RequestHeads, asyncio.Protocol):
         self._head_bytes = 0
         self._head_raw = 0
         self._in_head = False
+        self._reading = b""  # the read llhttp is fed, after a cut head's start (_http_line)
+        self._line_from = 0  # where in it the next request line may begin
+        self._held = b""  # a cut head's bytes, from where its request line may begin
         self._key: bytes | None = None  # a read that is one whole head: remembered if llhttp agrees
         self._seen: KnownRequest | None = None  # what llhttp reported for it
         self._mid_message = False  # llhttp is inside a request (head or body)
@@ -207,6 +210,12 @@ class ClientConnection(RequestHeads, asyncio.Protocol):
                 return
             if len(data) <= KNOWN_HEAD_BYTES and data.find(b"\r\n\r\n") == len(data) - 4:
                 self._key = data
+        if self._in_head:
+            # A head begun in an earlier read: its request line is tested whole (_http_line).
+            self._reading, self._held = self._held + data, b""
+        else:
+            self._reading = data
+        self._line_from = 0
         self._read_pieces = 0
         requests = self.requests
         try:
@@ -243,6 +252,8 @@ class ClientConnection(RequestHeads, asyncio.Protocol):
             self._key = self._seen = None  # only the read that set them may remember
         limit = self.relay.config.listen.max_header_bytes
         if self._in_head:
+            # From where its request line may begin (slow path: a head cut by the read's end).
+            self._held = self._reading[self._line_from :]
             if self._head_raw > limit:
                 # After any earlier pipelined responses, not inside one (RFC 9112 §9.3.2);
                 # rendered with the fields read so far (a browser's large Cookie: CORS).

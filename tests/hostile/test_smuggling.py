@@ -316,6 +316,13 @@ CASES: list[tuple[str, bytes, Expect]] = [
     ("http2-preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", Refused((400, 505))),
     ("http12", b"GET /smuggle HTTP/1.2\r\nHost: @H@\r\n\r\n", Refused((400, 505))),
     ("http30", b"GET /smuggle HTTP/3.0\r\nHost: @H@\r\n\r\n", Refused((400, 505))),
+    # RFC 9112 §2.3: HTTP-name is "HTTP"; llhttp also reads RTSP/ and ICE/ (found by review),
+    # and Go's server, E2B's proxy, answers them 400 "malformed HTTP version".
+    ("rtsp-protocol", b"GET /smuggle RTSP/1.0\r\nHost: @H@\r\n\r\n", Refused()),
+    ("rtsp-options", b"OPTIONS /smuggle RTSP/1.0\r\nHost: @H@\r\n\r\n", Refused()),
+    ("rtsp-setup", b"SETUP /smuggle RTSP/1.0\r\nHost: @H@\r\n\r\n", Refused()),
+    ("protocol-two-spaces", b"GET /smuggle  HTTP/1.1\r\nHost: @H@\r\n\r\n", Refused()),
+    ("ice-protocol", b"SOURCE /smuggle ICE/1.0\r\nHost: @H@\r\n\r\n", Refused()),
     ("http-lowercase", b"GET /smuggle http/1.1\r\nHost: @H@\r\n\r\n", Refused()),
     ("http-10-digits", b"GET /smuggle HTTP/10.1\r\nHost: @H@\r\n\r\n", Refused((400, 505))),
     ("method-lowercase", b"get /smuggle HTTP/1.1\r\nHost: @H@\r\n\r\n", Refused()),
@@ -472,8 +479,10 @@ async def test_ten_pipelined_requests_with_and_without_bodies(hostile: Hostile) 
         b"POST /bad HTTP/1.1\r\nHost: @H@\r\nTransfer-Encoding: chunked\r\n\r\nZ\r\nhello\r\n0\r\n\r\n",
         b"GET /bad HTTP/1.1\nHost: @H@\n\n",
         b"GET /bad HTTP/1.1\r\nHost: @H@\r\nTransfer-Encoding: identity, chunked\r\n\r\n",
+        b"GET /bad RTSP/1.0\r\nHost: @H@\r\n\r\n",
+        b"GET /p0 RTSP/1.0\r\nHost: @H@\r\n\r\n",  # as an earlier request's, but RTSP
     ],
-    ids=["obs-fold", "cl-te", "bad-chunk", "bare-lf", "te-identity"],
+    ids=["obs-fold", "cl-te", "bad-chunk", "bare-lf", "te-identity", "rtsp", "rtsp-same-target"],
 )
 async def test_ten_pipelined_with_one_malformed(hostile: Hostile, malformed: bytes) -> None:
     """Requests before the malformed one are forwarded once and answered in order; then the
@@ -573,3 +582,39 @@ async def test_requests_behind_one_refused_at_its_head_go_nowhere(
         assert response.status in (400, 501)
         assert await conn.closed_by_peer(2)
     assert await hostile.recorder.nothing_since(mark)
+
+
+@pytest.mark.parametrize(
+    "cut", [b"GET /s", b"GET /smuggle ", b"GET /smuggle RT", b"GET /smuggle RTSP/1.0\r\n"]
+)
+async def test_a_request_line_of_another_protocol_cut_across_reads_is_refused(
+    hostile: Hostile, cut: bytes
+) -> None:
+    """The RTSP request line (rtsp-protocol above) in two reads: refused all the same."""
+    recorder, host = hostile.recorder, hostile.app
+    raw = _fill(b"GET /smuggle RTSP/1.0\r\nHost: @H@\r\n\r\n", host)
+    mark = recorder.mark()
+    async with connected(hostile.port) as conn:
+        await conn.send(_get(host, "/first") + cut)
+        assert (await conn.read_response(timeout=5)).status == 200
+        await conn.send(raw[len(cut) :])
+        response = await conn.read_response(timeout=5)
+        assert response.status == 400, (response.status, response.body)
+        assert await conn.closed_by_peer(2)
+    await recorder.nothing_since(recorder.mark(), settle=0.1)
+    assert recorder.bytes_since(mark) == _get(host, "/first")
+
+
+@pytest.mark.parametrize("cut", [b"GET /s", b"GET /smuggle HT", b"GET /smuggle HTTP/1.1\r\nHo"])
+async def test_an_http_request_line_cut_across_reads_is_forwarded(
+    hostile: Hostile, cut: bytes
+) -> None:
+    recorder, host = hostile.recorder, hostile.app
+    raw = _get(host, "/smuggle")
+    mark = recorder.mark()
+    async with connected(hostile.port) as conn:
+        await conn.send(_get(host, "/first") + cut)
+        assert (await conn.read_response(timeout=5)).status == 200
+        await conn.send(raw[len(cut) :])
+        assert (await conn.read_response(timeout=5)).body == b"GET /smuggle 0"
+    assert recorder.bytes_since(mark) == _get(host, "/first") + raw
