@@ -250,10 +250,16 @@ class ClientConnection(RequestHeads, asyncio.Protocol):
             return
         finally:
             self._key = self._seen = None  # only the read that set them may remember
+            # Not kept past the read (an idle connection would pin its last read's buffer).
+            reading, self._reading = self._reading, b""
         limit = self.relay.config.listen.max_header_bytes
         if self._in_head:
-            # From where its request line may begin (slow path: a head cut by the read's end).
-            self._held = self._reading[self._line_from :]
+            # From where its request line may begin (slow path: a head cut by the read's end),
+            # within the last 2 * limit bytes: a head that is not refused fits there (its
+            # fields and line are within limit; only OWS is not counted), and a head trickled
+            # in byte by byte copies at most that per read (as httptools re-joins a field's
+            # value on every read).
+            self._held = reading[max(self._line_from, len(reading) - 2 * limit) :]
             if self._head_raw > limit:
                 # After any earlier pipelined responses, not inside one (RFC 9112 §9.3.2);
                 # rendered with the fields read so far (a browser's large Cookie: CORS).
