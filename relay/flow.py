@@ -152,9 +152,9 @@ def dense_framing(data: bytes, start: int = 0, end: int = DENSE_SAMPLE) -> bool:
 # and dense_framing (~2 µs) when it is dense with line ends (CSV text, a flood).
 DENSE_WINDOW = 256
 # The end of a request line (RFC 9112 §3): llhttp also takes "RTSP/1.1" or "ICE/1.0" for
-# the protocol, which relay forwards as HTTP/1.1 (found by review), and text such as an
-# access log's '"GET / HTTP/1.1" 200' has no line end after it (found by review: an upload
-# of one was sliced read after read).
+# the protocol (found by review; relay refuses such a head, request_heads._http_line, but
+# only once llhttp has read it), and text such as an access log's '"GET / HTTP/1.1" 200' has
+# no line end after it (found by review: an upload of one was sliced read after read).
 _REQUEST_END = re.compile(rb"/1\.[01]\r\n")
 # Seeded from os.urandom. Not a secret: a peer sees no draw (os.urandom per read would be a
 # system call per large read).
