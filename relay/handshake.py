@@ -132,10 +132,13 @@ class TlsAccept(asyncio.Protocol):
         peer = raw.get_extra_info("peername")
         if relay.stopped or not relay.allowed(peer[0] if isinstance(peer, tuple) else ""):
             raw.abort()
+            if not relay.stopped:
+                relay.observer.connections_reset["not_allowed"] += 1
             return
         shaking = len(relay.handshakes)
         if shaking >= relay.config.listen.max_connections:
             raw.abort()
+            relay.observer.connections_reset["handshakes_full"] += 1
             return
         if shaking + len(relay.connections) + relay.pool.opened >= relay.room_mark:
             relay.make_room()  # near the open-file limit (relay.room)

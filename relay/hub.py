@@ -150,6 +150,8 @@ class Hub:
         if self.stopped or not self.allowed(conn.peer):
             assert conn.transport is not None
             conn.transport.abort()
+            if not self.stopped:
+                self.observer.connections_reset["not_allowed"] += 1
             return False
         # TLS connections still in their handshake count too (relay.handshake).
         busy = len(self.connections) + len(self.handshakes)

@@ -106,6 +106,13 @@ SPECS: dict[str, Spec] = {
         "relay's side). The plain-HTTP 400 counts in relay_refusals_total only",
         ("reason",),
     ),
+    "relay_connections_reset": Spec(
+        "counter",
+        "Client connections reset at accept, before any HTTP, by reason (not_allowed: outside "
+        "listen.allowed_clients; handshakes_full: a TLS listener with listen.max_connections "
+        "handshakes in flight). Not relay's own stop",
+        ("reason",),
+    ),
     "relay_access_log_dropped_lines": Spec(
         "counter",
         "Access-log lines dropped: standard output did not take them in time (8 MiB waiting, "
@@ -195,6 +202,7 @@ def snapshot(relay: Relay) -> Snapshot:
             "relay_reloads": _pairs(obs.reloads.items()),
             "relay_tls_reloads": _pairs(obs.tls_reloads.items()),
             "relay_tls_handshake_failures": _pairs(obs.tls_handshake_failures.items()),
+            "relay_connections_reset": _pairs(obs.connections_reset.items()),
             "relay_access_log_dropped_lines": [[[], ACCESS_LOG.dropped]],
             "relay_log_dropped_lines": [[[], errorlog.dropped()]],
         },

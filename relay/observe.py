@@ -89,6 +89,9 @@ class Observer:
         self.tls_reloads: Counter[str] = Counter()  # ok | error
         # timeout | closed | protocol | error (relay.handshake.failure_reason)
         self.tls_handshake_failures: Counter[str] = Counter()
+        # not_allowed | handshakes_full: connections reset at accept, before any HTTP
+        # (relay.hub.admit, relay.handshake.TlsAccept); a 503 past max_connections is a refusal
+        self.connections_reset: Counter[str] = Counter()
         self.feed_failing_since: float | None = None  # monotonic; None while the feed is fine
 
     @property

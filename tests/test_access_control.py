@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 from relay.__main__ import main
 from tests.support.certs import issue
 from tests.support.harness import DOMAIN, route, running_relay
+from tests.support.ops import get, samples
 from tests.support.rawhttp import request
 
 FORWARDED = ("forwarded", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-real-ip")
@@ -55,7 +56,17 @@ async def test_allowed_clients(
     async with running_relay(tmp_path, [route("aclbox", insecure=True)], overrides) as relay:
         host = f"{upstream.port}-aclbox.{DOMAIN}"
         refused = await _turned_away(relay.port, host)
+        assert relay.relay.admin_bound is not None
+        status, body = await get(relay.relay.admin_bound[1], "/metrics")
     assert refused is not admitted
+    # relay_connections_reset_total: a reset at accept left no trace an operator could see.
+    assert status == 200
+    resets = {
+        dict(labels)["reason"]: value
+        for (name, labels), value in samples(body.decode()).items()
+        if name == "relay_connections_reset_total"
+    }
+    assert resets == ({} if admitted else {"not_allowed": 1.0})
 
 
 async def _forwarded_headers(

@@ -231,3 +231,34 @@ def test_every_end_of_start_tls_maps_to_the_closed_set() -> None:
         (RuntimeError(), "error"),
     ]
     assert [failure_reason(exc) for exc, _ in ends] == [reason for _, reason in ends]
+
+
+async def _resets(relay: RelayUnderTest) -> dict[str, float]:
+    assert relay.relay.admin_bound is not None
+    status, body = await get(relay.relay.admin_bound[1], "/metrics")
+    assert status == 200
+    name = "relay_connections_reset_total"
+    return {
+        dict(labels)["reason"]: v for (n, labels), v in samples(body.decode()).items() if n == name
+    }
+
+
+async def test_resets_at_accept_count_as_connection_resets_not_handshake_failures(
+    tmp_path: Path,
+) -> None:
+    """A TLS listener resets a peer outside allowed_clients, and a connection past
+    max_connections handshakes in flight, before any TLS: relay_connections_reset_total
+    (not_allowed, handshakes_full), not a handshake failure. Neither left a trace before."""
+    overrides = _tls(tmp_path, max_connections=1)
+    async with running_relay(tmp_path, [], overrides) as relay:
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5):
+            await until(lambda: len(relay.relay.handshakes) == 1)  # holds the one slot
+            got = await asyncio.to_thread(_send_and_read, relay.port, b"")
+            assert got == b""
+            assert await _resets(relay) == {"handshakes_full": 1.0}
+    overrides = _tls(tmp_path, allowed_clients=["10.0.0.0/8"])
+    async with running_relay(tmp_path, [], overrides) as relay:
+        await asyncio.to_thread(_send_and_read, relay.port, b"")
+        await until(lambda: bool(relay.relay.observer.connections_reset))
+        assert await _resets(relay) == {"not_allowed": 1.0}
+        assert await _failures(relay) == {}
