@@ -19,13 +19,27 @@ from relay.core.streams import end_stream_frame
 from tests.hostile.conftest import Hostile, body_json, connected, relay_log
 from tests.hostile.recorder import EVENTS
 from tests.support.harness import DOMAIN
-from tests.support.rawhttp import Connection, request, request_bytes
+from tests.support.rawhttp import Connection, Response, request, request_bytes
 
 
 async def still_serves(hostile: Hostile) -> None:
     response = await request(hostile.port, "GET", "/unaffected", hostile.app)
     assert response.status == 200
     assert response.body == b"GET /unaffected 0"
+
+
+async def script_then_next(hostile: Hostile, script: str) -> tuple[Response, Response, bool]:
+    """The canned response ``script`` (recorder.SCRIPTS), then ``GET /next`` on the same
+    client connection: both responses, and whether relay sent both on one upstream
+    connection (it reused the first's)."""
+    mark = hostile.recorder.mark()
+    async with connected(hostile.port) as conn:
+        await conn.send(request_bytes("GET", f"/raw/{script}", hostile.app))
+        first = await conn.read_response(timeout=5)
+        await conn.send(request_bytes("GET", "/next", hostile.app))
+        after = await conn.read_response(timeout=5)
+    first_conn, next_conn = (r.conn for r in hostile.recorder.requests_since(mark))
+    return first, after, first_conn == next_conn
 
 
 async def get(conn: Connection, host: str, path: str, timeout: float = 5.0) -> object:
@@ -137,17 +151,11 @@ async def test_bytes_after_a_complete_response_never_reach_a_client(
 ) -> None:
     """An upstream that sends more than the response (garbage, or a whole second response)
     must not inject it into the client connection nor have its connection reused."""
-    mark = hostile.recorder.mark()
-    async with connected(hostile.port) as conn:
-        await conn.send(request_bytes("GET", f"/raw/{script}", hostile.app))
-        first = await conn.read_response(timeout=5)
-        assert (first.status, first.body) == (200, b"ok")
-        await conn.send(request_bytes("GET", "/next", hostile.app))
-        after = await conn.read_response(timeout=5)
-        assert after.header("X-Injected") is None
-        assert (after.status, after.body) == (200, b"GET /next 0")
-    first_conn, next_conn = (r.conn for r in hostile.recorder.requests_since(mark))
-    assert first_conn != next_conn, "the connection of a misbehaving upstream was reused"
+    first, after, reused = await script_then_next(hostile, script)
+    assert (first.status, first.body) == (200, b"ok")
+    assert after.header("X-Injected") is None
+    assert (after.status, after.body) == (200, b"GET /next 0")
+    assert not reused, "the connection of a misbehaving upstream was reused"
     await still_serves(hostile)
 
 

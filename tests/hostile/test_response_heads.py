@@ -12,8 +12,8 @@ import asyncio
 import httptools
 import pytest
 
-from tests.hostile.conftest import Hostile, connected
-from tests.hostile.test_broken_upstreams import still_serves
+from tests.hostile.conftest import Hostile
+from tests.hostile.test_broken_upstreams import script_then_next, still_serves
 from tests.support.rawhttp import request_bytes
 
 
@@ -154,13 +154,7 @@ async def test_an_http10_response_with_transfer_encoding_closes_its_connection(
     processing the message" (an HTTP/1.0 hop in between may not have known the coding). relay
     decoded it and reused the connection despite "Connection: keep-alive" (found by review).
     The client still gets the body, in relay's own framing (SPEC §5a)."""
-    mark = hostile.recorder.mark()
-    async with connected(hostile.port) as conn:
-        await conn.send(request_bytes("GET", f"/raw/{script}", hostile.app))
-        first = await conn.read_response(timeout=5)
-        assert (first.status, first.body) == (200, b"ok")
-        await conn.send(request_bytes("GET", "/next", hostile.app))
-        after = await conn.read_response(timeout=5)
-        assert (after.status, after.body) == (200, b"GET /next 0")
-    first_conn, next_conn = (r.conn for r in hostile.recorder.requests_since(mark))
-    assert (first_conn == next_conn) is reused
+    first, after, same = await script_then_next(hostile, script)
+    assert (first.status, first.body) == (200, b"ok")
+    assert (after.status, after.body) == (200, b"GET /next 0")
+    assert same is reused
