@@ -129,18 +129,23 @@ def _read_until(proc: subprocess.Popen[bytes], text: bytes, seen: bytearray) -> 
             seen += chunk
 
 
+def _serve_piped(config: Path) -> subprocess.Popen[bytes]:
+    """``relay serve`` with its stderr on a pipe (read with _read_until)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
 def _interrupted(tmp_path: Path, workers: int, wait_for: bytes, delay_s: float) -> bytes:
     """Start relay serve with its stderr on a pipe, wait for ``wait_for`` there (b"" for the
     signal hold, as _held), sleep ``delay_s``, send SIGINT (a terminal's Ctrl-C), then wait
     for the exit: it must be the stop's 0 (docs/operations.md, "Stopping": SIGINT is
     SIGTERM's twin). Returns the whole stderr."""
     config = _config(tmp_path, workers)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = _serve_piped(config)
     seen = bytearray()
     try:
         if wait_for:
@@ -268,12 +273,7 @@ def test_no_thread_but_the_main_one_takes_the_stop_signals(tmp_path: Path, worke
     without it. The loop's default executor likewise (its thread resolves
     upstream.source_address, relay.netlink)."""
     config = _config(tmp_path, workers, upstream={"source_address": "127.0.0.1"})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relay", "serve", "--config", str(config)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = _serve_piped(config)
     seen = bytearray()
     try:
         _read_until(proc, b"all 2 workers ready" if workers > 1 else b"ready", seen)
