@@ -39,12 +39,13 @@ import contextlib
 import logging
 import os
 import select
-import signal
 import stat
 import threading
 from collections import deque
 from collections.abc import Iterator
 from typing import BinaryIO
+
+from relay.systemd import signals_blocked
 
 log = logging.getLogger("relay")
 
@@ -167,14 +168,12 @@ class Writer:
         # the main thread only, while it takes them off the loop's handlers: one given to
         # this thread then would meet its default action (a SIGTERM ending relay as it exits,
         # a Ctrl-C a KeyboardInterrupt). Found by review, from the mask, not seen happen.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         try:
-            thread.start()
+            with signals_blocked():
+                thread.start()
         except RuntimeError as exc:
             self.reason = f"cannot start the writer thread: {exc}"
             return False
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.thread = thread
         return True
 

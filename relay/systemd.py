@@ -17,12 +17,13 @@ otherwise ignored, as libsystemd does; relay never blocks on systemd.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("relay.systemd")
@@ -162,6 +163,18 @@ def release_signals() -> None:
         signal.raise_signal(early)
 
 
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """Every signal blocked in the calling thread for the block's length: a thread started in
+    it inherits that mask and keeps it, so that signals stay the main thread's alone (see
+    start_loop_threads; relay.accesswriter starts its writer threads in it too)."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 async def start_loop_threads(loop: asyncio.AbstractEventLoop) -> None:
     """Start libuv's threadpool now, with every signal blocked, which its threads keep (they
     inherit the mask of the thread that starts them): signals are then the main thread's
@@ -180,11 +193,8 @@ async def start_loop_threads(loop: asyncio.AbstractEventLoop) -> None:
     and at each reload with ``upstream.source_address``) are started later, one by one, so
     each blocks every signal itself as it starts.
     """
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
+    with signals_blocked():
         await loop.getaddrinfo("127.0.0.1", 0)  # through the pool, which starts whole
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="asyncio", initializer=_deaf))
 
 
