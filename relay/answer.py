@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import email.utils
 import time
+from typing import TYPE_CHECKING
 
 from relay.core import headers as header_rules
 from relay.core.answers import answer_bytes, render
-from relay.core.model import Reject
+from relay.core.model import Reject, RequestHead
 from relay.finish import ANSWERED, Finish
+
+if TYPE_CHECKING:
+    from relay.observe import Observer
 
 # A refused request's body is read and dropped up to this size so that the connection can be
 # kept; past it the connection is closed after the answer.
@@ -36,6 +40,17 @@ def http_date() -> bytes:
     if now != _date[0]:
         _date = (now, email.utils.formatdate(now, usegmt=True).encode("ascii"))
     return _date[1]
+
+
+def refusal_bytes(
+    observer: Observer, reject: Reject, peer: str, head: RequestHead | None, *, head_only: bool
+) -> bytes:
+    """A connection's refusal, counted and rendered, closing (``relay.refusals``, and the TLS
+    listener's plain-HTTP 400, ``relay.handshake``): the head's Origin gets CORS, a HEAD only
+    the head (RFC 9110 §9.3.2), and the access log the body's size as sent."""
+    answer = render(reject, head.headers if head is not None else ())
+    observer.connection_refused(reject, peer, head, 0 if head_only else len(answer.body))
+    return answer_bytes(answer, close=True, head_only=head_only, date=http_date())
 
 
 class Answer(Finish):

@@ -58,9 +58,8 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
-from relay.answer import http_date
+from relay.answer import refusal_bytes
 from relay.closing import CLOSE_STALL_S
-from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject
 from relay.core.policy import plain_http_request
 from relay.server import ClientConnection
@@ -374,10 +373,9 @@ class FirstBytes(asyncio.Protocol):
         still sends is read and dropped until its own FIN, so that the close sends no reset
         that could destroy the answer (RFC 9112 §9.6, as ClientConnection.close lingers)."""
         reject = Reject(reason=Reason.PLAIN_HTTP)
-        answer = render(reject)
         peer = self._raw.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) else ""
-        sent = 0 if head_only else len(answer.body)
-        self._relay.observer.connection_refused(reject, address, None, sent)
-        self._raw.write(answer_bytes(answer, close=True, head_only=head_only, date=http_date()))
+        self._raw.write(
+            refusal_bytes(self._relay.observer, reject, address, None, head_only=head_only)
+        )
         self._raw.write_eof()

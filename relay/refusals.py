@@ -15,9 +15,8 @@ import logging
 
 import httptools
 
-from relay.answer import http_date
+from relay.answer import refusal_bytes
 from relay.closing import Closing
-from relay.core.answers import answer_bytes, render
 from relay.core.model import Reason, Reject, RequestHead
 from relay.flow import PAUSE_CLIENT_FULL
 
@@ -38,11 +37,8 @@ class Refusals(Closing):
         content (RFC 9110 §9.3.2), as for every other answer of relay's (found by review: a
         HEAD got the JSON body, a browser's fetch no Access-Control-Allow-Origin)."""
         self.closing = True
-        answer = render(reject, head.headers if head is not None else ())
         head_only = head is not None and head.method == b"HEAD"
-        sent = 0 if head_only else len(answer.body)
-        self.relay.observer.connection_refused(reject, self.peer, head, sent)
-        self.write(answer_bytes(answer, close=True, head_only=head_only, date=http_date()))
+        self.write(refusal_bytes(self.relay.observer, reject, self.peer, head, head_only=head_only))
         self.close()
 
     def discarding(self) -> None:
