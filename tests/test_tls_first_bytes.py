@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.certs import Issued, issue
+from tests.support.certs import Issued, client_hello, issue
 from tests.support.harness import DOMAIN, running_relay, until
 
 
@@ -178,11 +178,7 @@ PROTOCOL_VERSION, HANDSHAKE_FAILURE, UNEXPECTED_MESSAGE = 70, 40, 10  # RFC 8446
 
 
 def _hello_of(ctx: ssl.SSLContext) -> bytes:
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=f"49983-sbx.{DOMAIN}")
-    with contextlib.suppress(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
+    return client_hello(ctx, f"49983-sbx.{DOMAIN}")
 
 
 def _old_client() -> ssl.SSLContext:

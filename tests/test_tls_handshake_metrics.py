@@ -17,7 +17,7 @@ from pathlib import Path
 from relay.handshake import failure_reason
 from relay.metric_snapshot import snapshot
 from relay.metrics import families, read_snapshots, retire, write_snapshot
-from tests.support.certs import issue
+from tests.support.certs import client_hello, issue
 from tests.support.harness import DOMAIN, RelayUnderTest, running_relay, until
 from tests.support.ops import get, samples
 
@@ -44,11 +44,7 @@ def _noverify(**versions: ssl.TLSVersion) -> ssl.SSLContext:
 
 
 def _hello_of(ctx: ssl.SSLContext) -> bytes:
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=HOST)
-    with contextlib.suppress(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
+    return client_hello(ctx, HOST)
 
 
 def _send_and_read(port: int, data: bytes, *, linger_reset: bool = False) -> bytes:

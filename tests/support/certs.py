@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import ssl
@@ -100,3 +101,13 @@ def issue(
     )
     key_file.chmod(0o600)
     return Issued(ca_file, cert_file, key_file)
+
+
+def client_hello(ctx: ssl.SSLContext, host: str) -> bytes:
+    """The first flight a client with ``ctx`` sends to ``host`` (its ClientHello record),
+    made in memory: raw-socket tests send it, or parts of it, themselves."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=host)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
