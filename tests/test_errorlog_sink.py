@@ -27,6 +27,7 @@ import pytest
 
 from relay import accesswriter, errorlog
 from tests.support.harness import RelayProcess, write_routes
+from tests.support.ops import blocked_signals
 
 REJECTED = 400  # warnings of ~3 KB: 1.2 MB, past the writer's 1 MiB limit
 FIELD = "x" * 3000  # an unknown field: the warning names it
@@ -222,12 +223,8 @@ def errorlog_say(handler: errorlog.StderrHandler, line: str) -> None:
 
 
 def _blocked(native_id: int) -> set[int]:
-    """The signals a thread of this process blocks (``SigBlk`` in its /proc status)."""
-    status = Path(f"/proc/self/task/{native_id}/status").read_text()
-    found = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE)
-    assert found is not None
-    mask = int(found[1], 16)
-    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+    """The signals a thread of this process blocks."""
+    return blocked_signals(Path(f"/proc/self/task/{native_id}"))
 
 
 def test_the_writer_thread_takes_no_signal() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import config_data, route, to_toml, write_routes
+from tests.support.ops import blocked_signals
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,10 +255,8 @@ def _blocked_by_thread(pid: int) -> dict[str, set[int]]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         if task.name == str(pid):
             continue
-        status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines())
-        mask = int(status["SigBlk"], 16)
-        name = f"{status['Name'].strip()} {task.name}"
-        out[name] = {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+        name = (task / "comm").read_text().strip()
+        out[f"{name} {task.name}"] = blocked_signals(task)
     return out
 
 

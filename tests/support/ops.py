@@ -101,3 +101,12 @@ def port_refuses(port: int) -> bool:
         except OSError:
             return False
         return False
+
+
+def blocked_signals(task: Path) -> set[int]:
+    """The signals a thread blocks: ``SigBlk`` in ``task``'s status (``/proc/PID/task/TID``)."""
+    for line in (task / "status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            mask = int(line.split(":", 1)[1], 16)
+            return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+    raise AssertionError(f"no SigBlk in {task}/status")
